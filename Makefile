@@ -1,0 +1,32 @@
+# The README's two commands: `make bench` (main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# PyTorch's default OpenMP busy-waiting collapses 2-thread runs under any other load.
+export OMP_WAIT_POLICY := PASSIVE
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+
+.PHONY: install bench test test-fast clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch is pinned and installed first so pip takes the local CPU wheel, never a CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev,train]"
+	touch $(STAMP)
+
+bench: $(STAMP)
+	$(BIN)/angelspec-hf demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

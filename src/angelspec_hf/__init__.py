@@ -1,0 +1,37 @@
+"""angelspec-hf: AngelSpec speculative-decoding drafters as Hugging Face models.
+
+Importing the package registers the drafters with ``AutoConfig``/``AutoModel`` and installs the
+``generate`` integration, so ``target.generate(**inputs, assistant_model=drafter)`` just works.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from . import errors
+from .configuration_angelspec_dfly import DFlyDrafterConfig
+from .configuration_angelspec_mtp import MTPDrafterConfig
+from .modeling_angelspec_common import (
+    SpeculationStats,
+    embedding_fingerprint,
+    install_generate_integration,
+)
+from .modeling_angelspec_dfly import DFlyDrafter
+from .modeling_angelspec_mtp import MTPDrafter
+
+__version__ = "0.1.0"
+
+AutoConfig.register(MTPDrafterConfig.model_type, MTPDrafterConfig, exist_ok=True)
+AutoConfig.register(DFlyDrafterConfig.model_type, DFlyDrafterConfig, exist_ok=True)
+AutoModel.register(MTPDrafterConfig, MTPDrafter, exist_ok=True)
+AutoModel.register(DFlyDrafterConfig, DFlyDrafter, exist_ok=True)
+install_generate_integration()
+
+__all__ = [
+    "DFlyDrafter",
+    "DFlyDrafterConfig",
+    "MTPDrafter",
+    "MTPDrafterConfig",
+    "SpeculationStats",
+    "embedding_fingerprint",
+    "errors",
+    "install_generate_integration",
+]
