@@ -4,9 +4,17 @@ Importing the package registers the drafters with ``AutoConfig``/``AutoModel`` a
 ``generate`` integration, so ``target.generate(**inputs, assistant_model=drafter)`` just works.
 """
 
-from transformers import AutoConfig, AutoModel
+import os
+import sys
 
-from . import errors
+if "torch" not in sys.modules:
+    # PyTorch's default OpenMP busy-waiting makes 2-thread CPU runs collapse as soon as anything
+    # else runs; the variable is only read when torch starts, so set it before importing it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from transformers import AutoConfig, AutoModel  # noqa: E402
+
+from . import errors  # noqa: E402
 from .configuration_angelspec_dfly import DFlyDrafterConfig
 from .configuration_angelspec_mtp import MTPDrafterConfig
 from .modeling_angelspec_common import (

@@ -129,6 +129,10 @@ def rope_theta_of(text_config) -> float:
     return float(getattr(text_config, "rope_theta", 10000.0))
 
 
+def target_name(target: PreTrainedModel) -> str | None:
+    return getattr(target.config, "_name_or_path", None) or getattr(target, "name_or_path", None) or None
+
+
 def target_config_fields(target: PreTrainedModel) -> dict[str, Any]:
     """Everything a drafter config must know about its target."""
     text = target.config.get_text_config()
@@ -143,7 +147,7 @@ def target_config_fields(target: PreTrainedModel) -> dict[str, Any]:
         "rms_norm_eps": float(getattr(text, "rms_norm_eps", 1e-6)),
         "rope_theta": rope_theta_of(text),
         "num_target_layers": text.num_hidden_layers,
-        "target_name_or_path": getattr(target, "name_or_path", None) or None,
+        "target_name_or_path": target_name(target),
         "target_revision": getattr(target.config, "_commit_hash", None),
         "target_model_type": text.model_type,
         "target_embedding_fingerprint": embedding_fingerprint(target.get_input_embeddings().weight),
@@ -417,7 +421,7 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
             built_for = self.config.target_name_or_path or "another target"
             raise DrafterTargetMismatchError(
                 f"This {type(self).__name__} was built for {built_for!r}, not for "
-                f"{getattr(target, 'name_or_path', '') or type(target).__name__!r}: " + "; ".join(problems) + ". "
+                f"{target_name(target) or type(target).__name__!r}: " + "; ".join(problems) + ". "
                 f"Fix: load the drafter trained for this target, or build one with "
                 f"{type(self).__name__}.from_target(target) and train it."
             )
@@ -443,8 +447,7 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
             )
 
     def get_candidate_generator(self, target: PreTrainedModel, generation_config, logits_processor, **kwargs):
-        """Called by the ``generate`` dispatch; returns the candidate generator for one call."""
-        self.check_target(target)
+        """Called by the ``generate`` dispatch (after `check_target`); the generator for one call."""
         return self.candidate_generator_class(self, target, generation_config, logits_processor)
 
 
@@ -456,22 +459,37 @@ _DISPATCH_MARK = "_angelspec_hf_dispatch"
 def install_generate_integration() -> None:
     """Teach ``GenerationMixin`` to ask an assistant for its own candidate generator.
 
-    Duck-typed on ``get_candidate_generator``/``validate_generate_call`` so that drafters loaded as
+    Duck-typed on ``get_candidate_generator`` (with ``check_target`` and ``validate_generate_call``) so that drafters loaded as
     remote code (not instances of our classes) work too; every other assistant, prompt lookup and
     ``speculation_type="dflash"`` go to ``transformers``' own code unchanged. Idempotent.
     """
     dispatch = GenerationMixin._get_candidate_generator
     if getattr(dispatch, _DISPATCH_MARK, False):
         return
+    validate_mode = GenerationMixin._validate_generation_mode
     assisted = GenerationMixin._assisted_decoding
 
+    def ours(assistant, generation_config) -> bool:
+        return hasattr(assistant, "get_candidate_generator") and getattr(generation_config, "speculation_type", None) != "dflash"
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        # Runs before transformers compares vocabularies, so a wrong target is named as such.
+        assistant = generation_mode_kwargs.get("assistant_model")
+        if ours(assistant, generation_config):
+            assistant.check_target(self)
+        return validate_mode(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    def _assisted_decoding(self, input_ids, *args, **kwargs):
+        assistant, generation_config = kwargs.get("assistant_model"), kwargs.get("generation_config")
+        if ours(assistant, generation_config):
+            assistant.validate_generate_call(input_ids, generation_config, kwargs)
+        return assisted(self, input_ids, *args, **kwargs)
+
     def _get_candidate_generator(self, *args, **kwargs):
-        assistant = kwargs.get("assistant_model")
-        generation_config = kwargs.get("generation_config")
-        factory = getattr(assistant, "get_candidate_generator", None)
-        if factory is None or getattr(generation_config, "speculation_type", None) == "dflash":
+        assistant, generation_config = kwargs.get("assistant_model"), kwargs.get("generation_config")
+        if not ours(assistant, generation_config):
             return dispatch(self, *args, **kwargs)
-        return factory(
+        return assistant.get_candidate_generator(
             target=self,
             generation_config=generation_config,
             logits_processor=kwargs.get("logits_processor"),
@@ -479,18 +497,13 @@ def install_generate_integration() -> None:
             model_kwargs=kwargs.get("model_kwargs"),
         )
 
-    def _assisted_decoding(self, input_ids, *args, **kwargs):
-        assistant = kwargs.get("assistant_model")
-        validate = getattr(assistant, "validate_generate_call", None)
-        generation_config = kwargs.get("generation_config")
-        if validate is not None and getattr(generation_config, "speculation_type", None) != "dflash":
-            validate(input_ids, generation_config, kwargs)
-        return assisted(self, input_ids, *args, **kwargs)
-
-    setattr(_get_candidate_generator, _DISPATCH_MARK, True)
-    setattr(_assisted_decoding, _DISPATCH_MARK, True)
-    GenerationMixin._get_candidate_generator = _get_candidate_generator
-    GenerationMixin._assisted_decoding = _assisted_decoding
+    for name, function in (
+        ("_validate_generation_mode", _validate_generation_mode),
+        ("_assisted_decoding", _assisted_decoding),
+        ("_get_candidate_generator", _get_candidate_generator),
+    ):
+        setattr(function, _DISPATCH_MARK, True)
+        setattr(GenerationMixin, name, function)
 
 
 install_generate_integration()

@@ -1,0 +1,103 @@
+"""Each misuse gets a typed error that names the problem and the fix."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, DynamicCache, StaticCache
+
+from angelspec_hf import DFlyDrafter, MTPDrafter
+from angelspec_hf.errors import (
+    BatchSizeNotSupportedError,
+    DrafterCheckpointError,
+    DrafterTargetMismatchError,
+    UnsupportedCacheError,
+)
+from angelspec_hf.reference import tiny_target
+
+PROMPT = torch.tensor([[5, 9, 11, 4, 7]])
+
+
+def generate(target, drafter, prompt=PROMPT, **kwargs):
+    return target.generate(prompt, assistant_model=drafter, max_new_tokens=6, do_sample=False, eos_token_id=None, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "other_target, problem",
+    [
+        (lambda: tiny_target("llama", vocab_size=128), "vocabulary size: drafter expects 96, target has 128"),
+        (lambda: tiny_target("llama", hidden_size=32), "hidden size"),
+        (lambda: tiny_target("llama", num_hidden_layers=8), "decoder layer count"),
+        (lambda: tiny_target("llama", seed=99), "embedding fingerprint"),
+    ],
+)
+def test_drafter_built_for_another_target(targets, other_target, problem):
+    drafter = DFlyDrafter.from_target(targets.target("llama"))
+    with pytest.raises(DrafterTargetMismatchError, match=problem) as info:
+        generate(other_target(), drafter)
+    assert "tiny-llama-seed0" in str(info.value) and "from_target" in str(info.value)
+
+
+def test_batch_size_above_one(targets):
+    target = targets.target("llama")
+    with pytest.raises(BatchSizeNotSupportedError, match="once per prompt"):
+        generate(target, MTPDrafter.from_target(target), prompt=PROMPT.repeat(2, 1), attention_mask=torch.ones(2, 5))
+
+
+def test_static_cache_and_disabled_cache(targets):
+    target = targets.target("llama")
+    drafter = MTPDrafter.from_target(target)
+    with pytest.raises(UnsupportedCacheError, match="DynamicCache"):
+        generate(target, drafter, cache_implementation="static")
+    with pytest.raises(UnsupportedCacheError, match="DynamicCache"):
+        generate(target, drafter, past_key_values=StaticCache(config=target.config, max_cache_len=64))
+    with pytest.raises(UnsupportedCacheError, match="use_cache"):
+        generate(target, drafter, use_cache=False)
+    # The default dynamic cache, passed explicitly, is fine.
+    generate(target, drafter, past_key_values=DynamicCache(config=target.config))
+
+
+@pytest.fixture
+def saved_drafter(targets, tmp_path):
+    DFlyDrafter.from_target(targets.target("llama")).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_missing_weights_file(saved_drafter):
+    (saved_drafter / "model.safetensors").unlink()
+    with pytest.raises(DrafterCheckpointError, match="model.safetensors"):
+        AutoModel.from_pretrained(saved_drafter)
+
+
+def test_corrupt_weights_file(saved_drafter):
+    weights = saved_drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    with pytest.raises(DrafterCheckpointError, match="corrupt"):
+        DFlyDrafter.from_pretrained(saved_drafter)
+
+
+def test_missing_and_unexpected_tensors(saved_drafter):
+    weights = saved_drafter / "model.safetensors"
+    tensors = load_file(weights)
+    tensors.pop("layers.0.q_proj.weight")
+    tensors["stray.weight"] = torch.zeros(2)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(DrafterCheckpointError, match=r"missing_keys: \['layers.0.q_proj.weight'\].*unexpected_keys"):
+        AutoModel.from_pretrained(saved_drafter)
+
+
+def test_pickle_checkpoints_are_not_read(saved_drafter):
+    tensors = load_file(saved_drafter / "model.safetensors")
+    (saved_drafter / "model.safetensors").unlink()
+    torch.save(tensors, saved_drafter / "pytorch_model.bin")
+    with pytest.raises(DrafterCheckpointError):
+        DFlyDrafter.from_pretrained(saved_drafter)
+
+
+def test_corrupt_config(saved_drafter):
+    config = json.loads((saved_drafter / "config.json").read_text())
+    config["conditioning"] = "sideways"
+    (saved_drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="conditioning must be one of"):
+        AutoModel.from_pretrained(saved_drafter)

@@ -1,0 +1,146 @@
+"""Drafter configs and models: derivation from the target, switches, save/load round trips."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModel
+
+from angelspec_hf import DFlyDrafter, DFlyDrafterConfig, MTPDrafter, MTPDrafterConfig, embedding_fingerprint
+from angelspec_hf.errors import DrafterConfigError
+from angelspec_hf.modeling_angelspec_common import FINGERPRINT_MIN_COSINE, fingerprint_similarity
+from conftest import DRAFTER_KINDS, PROMPT_LENGTH, build_drafter
+
+
+def test_from_target_derives_sizes_layers_and_fingerprint(targets):
+    target = targets.target("qwen3")
+    drafter = DFlyDrafter.from_target(target, block_size=8)
+    config = drafter.config
+    text = target.config
+    assert (config.vocab_size, config.hidden_size, config.num_target_layers) == (text.vocab_size, text.hidden_size, 6)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    assert config.target_layer_ids == [1, 2, 3]  # evenly spaced from 1 to L-3
+    assert config.target_name_or_path == "tiny-qwen3-seed1" and config.target_model_type == "qwen3"
+    assert config.target_embedding_fingerprint == embedding_fingerprint(target.get_input_embeddings().weight)
+    assert config.mask_token_id == text.vocab_size - 1  # no usable unk token in the tiny config
+    assert drafter.max_draft_tokens == 7
+    mtp = MTPDrafter.from_target(target, num_draft_tokens=3)
+    assert mtp.config.target_layer_ids == [1, 2] and mtp.config.ttt_steps == 3 and mtp.max_draft_tokens == 3
+
+
+def test_dfly_default_layers_on_a_30_layer_target():
+    assert DFlyDrafterConfig.default_target_layer_ids(30) == [1, 8, 14, 20, 27]
+    assert MTPDrafterConfig.default_target_layer_ids(30) == [1, 14, 26]
+
+
+def test_fingerprint_survives_bf16_but_not_another_model(targets):
+    weight = targets.target("llama").get_input_embeddings().weight
+    other = targets.target("qwen3").get_input_embeddings().weight
+    assert fingerprint_similarity(embedding_fingerprint(weight), embedding_fingerprint(weight.bfloat16())) > 0.999
+    assert fingerprint_similarity(embedding_fingerprint(weight), embedding_fingerprint(other)) < FINGERPRINT_MIN_COSINE
+
+
+@pytest.mark.parametrize(
+    "conditioning, correction, variant, params",
+    [
+        ("global", False, "dflash", {"context_proj.weight"}),
+        ("layerwise", False, "dflare", {"layer_fusion_weights"}),
+        ("hybrid", True, "dfly", {"context_proj.weight", "layer_fusion_weights", "hidden_correction.mlp.down_proj.weight"}),
+    ],
+)
+def test_dfly_switches_select_the_published_variants(targets, conditioning, correction, variant, params):
+    drafter = DFlyDrafter.from_target(targets.target("llama"), conditioning=conditioning, hidden_correction=correction)
+    names = {name for name, _ in drafter.named_parameters()}
+    assert drafter.config.variant == variant
+    assert params <= names
+    missing = {"context_proj.weight", "layer_fusion_weights", "hidden_correction.mlp.down_proj.weight"} - params
+    assert not missing & names
+
+
+def test_untrained_correction_head_equals_dflash(targets):
+    """The correction head's output projection starts at zero, so DFly starts exactly as DFlash."""
+    target = targets.target("llama")
+    torch.manual_seed(0)
+    with_head = DFlyDrafter.from_target(target, conditioning="global", hidden_correction=True).eval()
+    without = DFlyDrafter.from_target(target, conditioning="global", hidden_correction=False).eval()
+    without.load_state_dict({k: v for k, v in with_head.state_dict().items() if not k.startswith("hidden_correction")})
+    assert torch.count_nonzero(with_head.hidden_correction.mlp.down_proj.weight) == 0
+    prompt = targets.sequences("llama")[:1, :PROMPT_LENGTH]
+    target.generate(prompt, assistant_model=with_head, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    first = with_head.last_speculation_stats.as_dict()
+    target.generate(prompt, assistant_model=without, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert without.last_speculation_stats.as_dict() == first
+
+
+def test_reduced_vocabulary_maps_draft_ids_to_target_ids(targets):
+    target = targets.target("llama")
+    ids = torch.tensor([40, 3, 17, 90, 5])
+    drafter = MTPDrafter.from_target(target, draft_token_ids=ids)
+    expected = ids.sort().values
+    assert drafter.config.draft_vocab_size == 5 and drafter.config.uses_reduced_vocab
+    assert torch.equal(drafter.draft_token_ids(), expected)
+    assert torch.equal(drafter.t2d.nonzero().flatten(), expected)
+    torch.testing.assert_close(drafter.lm_head.weight, target.lm_head.weight[expected])
+    logits = drafter.logits(torch.randn(1, 2, drafter.config.hidden_size), target.lm_head)
+    assert logits.shape == (1, 2, target.config.vocab_size)
+    finite = torch.isfinite(logits[0, 0]).nonzero().flatten()
+    assert torch.equal(finite, expected)
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_save_and_auto_load_round_trip(targets, tmp_path, kind):
+    target = targets.target("llama")
+    drafter = targets.fitted("llama", kind)
+    drafter.save_pretrained(tmp_path)
+    files = {path.name for path in tmp_path.iterdir()}
+    assert {"config.json", "model.safetensors"} <= files
+    assert not any(name.endswith((".bin", ".pt", ".pth")) for name in files), "safetensors only"
+    with safe_open(tmp_path / "model.safetensors", "pt") as handle:
+        keys = set(handle.keys())
+    assert not any("embed" in key or key.startswith("lm_head") and not kind.endswith("reduced") for key in keys), keys
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"]["AutoModel"].endswith(("MTPDrafter", "DFlyDrafter"))
+
+    loaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(drafter)
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), type(drafter.config))
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+    prompt = targets.sequences("llama")[:1, :PROMPT_LENGTH]
+    first = target.generate(prompt, assistant_model=drafter, max_new_tokens=15, do_sample=False, eos_token_id=None)
+    stats = drafter.last_speculation_stats.as_dict()
+    second = target.generate(prompt, assistant_model=loaded, max_new_tokens=15, do_sample=False, eos_token_id=None)
+    assert torch.equal(first, second) and loaded.last_speculation_stats.as_dict() == stats
+
+
+def test_bf16_save_keeps_dtype(targets, tmp_path):
+    drafter = build_drafter("dfly-hybrid-corr", targets.target("llama")).to(torch.bfloat16)
+    drafter.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as handle:
+        assert all(handle.get_tensor(key).dtype == torch.bfloat16 for key in handle.keys())
+    assert DFlyDrafter.from_pretrained(tmp_path, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        (lambda: DFlyDrafterConfig(conditioning="sideways"), "conditioning must be one of"),
+        (lambda: DFlyDrafterConfig(block_size=1), "block_size"),
+        (lambda: DFlyDrafterConfig(num_target_layers=6, target_layer_ids=[1, 9]), "outside the target's decoder layers"),
+        (lambda: DFlyDrafterConfig(vocab_size=10, mask_token_id=10), "mask_token_id"),
+        (lambda: MTPDrafterConfig(num_draft_tokens=0), "num_draft_tokens"),
+        (lambda: MTPDrafterConfig(vocab_size=100, draft_vocab_size=101), "draft_vocab_size"),
+        (lambda: MTPDrafterConfig(num_attention_heads=9, num_key_value_heads=2), "multiple of num_key_value_heads"),
+    ],
+)
+def test_bad_config_arguments_raise_typed_errors(factory, message):
+    with pytest.raises(DrafterConfigError, match=message):
+        factory()
+
+
+def test_bad_from_target_overrides(targets):
+    with pytest.raises(DrafterConfigError, match="disagrees"):
+        MTPDrafter.from_target(targets.target("llama"), draft_vocab_size=3, draft_token_ids=[1, 2])
+    with pytest.raises(DrafterConfigError, match="block_size"):
+        DFlyDrafter.from_target(targets.target("llama"), block_size=0)

