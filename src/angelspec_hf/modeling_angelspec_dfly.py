@@ -196,12 +196,19 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
         start = input_ids.shape[1] - 1
         positions = torch.arange(start, start + config.block_size, device=input_ids.device)[None]
         mask = self.context_key_mask(config.block_size, config.block_size, causal_extra=False)
-        z = drafter(self.embed_tokens(block_ids).to(drafter.dtype), positions, self.context_kv, mask)
+        z = drafter(self.embed_tokens(block_ids).to(drafter.dtype), positions, self.context_kv, mask)[:, 1 : num_tokens + 1]
+        # Without the correction head every position's logits are known at once: one lm_head call
+        # (the head is memory-bound, so k rows cost about what one row does).
+        logits_all = drafter.logits(z, self.lm_head) if drafter.hidden_correction is None else None
         ids, previous = input_ids, anchor
         tokens, all_logits = [], []
-        for index in range(1, num_tokens + 1):
-            hidden = drafter.correct(z[:, index], self.embed_tokens(previous[:, -1]).to(drafter.dtype))
-            logits, token = self.select(ids, drafter.logits(hidden, self.lm_head))
+        for index in range(num_tokens):
+            if logits_all is None:
+                hidden = drafter.correct(z[:, index], self.embed_tokens(previous).to(drafter.dtype)[:, 0])
+                position_logits = drafter.logits(hidden, self.lm_head)
+            else:
+                position_logits = logits_all[:, index]
+            logits, token = self.select(ids, position_logits)
             tokens.append(token)
             all_logits.append(logits)
             ids = torch.cat([ids, token], dim=-1)
