@@ -82,3 +82,19 @@ def fit_dfly(drafter: DFlyDrafter, target, sequences: torch.Tensor, prompt_lengt
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def tiny_tokenizer(vocab_size: int = 96):
+    """A word-level tokenizer (``<unk> <s> </s> w3 .. w{V-1}``) with a chat template, for tiny targets."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5 {% endif %}"
+    )
+    return tokenizer

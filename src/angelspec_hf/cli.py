@@ -3,6 +3,7 @@
 ``angelspec-hf demo`` (the README's main job until the benchmark lands) generates on the reference
 target with and without each drafter, checks that greedy outputs are identical, and reports tokens
 per target forward (tau) and tokens/s, interleaved per prompt, as a table and a JSON report.
+``rollouts``, ``train`` and ``eval`` prepare data, train block drafters and measure them.
 """
 
 from __future__ import annotations
@@ -139,6 +140,71 @@ def write_report(rows: list[DemoRow], path: Path) -> None:
     print(f"report written to {path}")
 
 
+def load_target(name: str):
+    """``reference`` (the bundled SmolLM2-135M-Instruct) or a local directory / cached Hub id."""
+    if name == "reference":
+        return load_reference_target()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(name)
+
+
+def run_rollouts(args: argparse.Namespace) -> int:
+    from .prompts import PROMPT_SETS, load_prompts
+    from .training.data import generate_rollouts
+
+    target, tokenizer = load_target(args.target)
+    for name in args.prompts:
+        domain = PROMPT_SETS.get(name, Path(name).stem)
+        out = Path(args.output_dir) / f"{Path(name).stem}-train.jsonl"
+        generate_rollouts(target, tokenizer, load_prompts(name, "train"), out, max_new_tokens=args.max_new_tokens,
+                          batch_size=args.batch_size, domain=domain)
+    return 0
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .training.data import framed_code_sequences, rollout_sequences
+    from .training.recipes import RECIPES, Recipe, train_drafter
+
+    target, tokenizer = load_target(args.target)
+    rollouts = rollout_sequences(sorted(Path(args.data).glob("*.jsonl")), seq_len=args.rollout_length) if args.data else []
+    corpus_tokens = args.corpus_tokens
+    if corpus_tokens is None:
+        # Framed standard-library code suits the code/math block drafters, not the chat MTP drafter.
+        corpus_tokens = 400_000 if RECIPES[args.recipe][0] == "dfly" else 0
+    corpus = framed_code_sequences(tokenizer, seq_len=args.corpus_length, max_tokens=corpus_tokens) if corpus_tokens else []
+    if not rollouts and not corpus:
+        raise SystemExit("no training data: give --data with rollouts and/or --corpus-tokens > 0")
+    recipe = Recipe(name=args.recipe, block_size=args.block_size, num_hidden_layers=args.layers,
+                    num_draft_tokens=args.draft_tokens, draft_vocab_size=args.draft_vocab_size,
+                    lk_steps=args.lk_steps, tv_steps=args.tv_steps, batch_size=args.batch_size,
+                    num_anchors=args.anchors, learning_rate=args.learning_rate, seed=args.seed)
+    finish = (rollouts + corpus[: len(rollouts) // 2]) if rollouts else None
+    train_drafter(target, corpus + rollouts * 2, args.output, recipe, pad_token_id=tokenizer.eos_token_id,
+                  finish_rows=finish, resume=args.resume)
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from .evaluation import evaluate_drafter
+    from .prompts import domain_prompts
+
+    target, tokenizer = load_target(args.target)
+    drafter = AutoModel.from_pretrained(args.drafter).eval()
+    prompts = {domain: domain_prompts(domain, "eval", args.per_set) for domain in args.domains}
+    results = evaluate_drafter(target, tokenizer, drafter, prompts, max_new_tokens=args.max_new_tokens)
+    report = {"drafter": str(args.drafter), "target": args.target, "max_new_tokens": args.max_new_tokens,
+              "torch_threads": torch.get_num_threads(), "domains": {d: r.as_dict() for d, r in results.items()}}
+    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.report).write_text(json.dumps(report, indent=2))
+    for domain, result in results.items():
+        print(f"{domain:5} tau {result.tau:.3f}  lossless {result.identical}/{result.prompts}  "
+              f"speculative {result.new_tokens / result.seconds_speculative:.1f} tok/s  "
+              f"plain {result.new_tokens / max(result.seconds_plain, 1e-9):.1f} tok/s")
+    print(f"report written to {args.report}")
+    return 0 if all(r.identical == r.prompts for r in results.values()) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="angelspec-hf", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +215,49 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--report", default="reports/demo.json")
     demo.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     demo.set_defaults(handler=run_demo)
+
+    rollouts = commands.add_parser("rollouts", help="greedy target responses to the training split of prompt sets")
+    rollouts.add_argument("--target", default="reference")
+    rollouts.add_argument("--prompts", nargs="+", default=["gsm8k", "humaneval", "mbpp"],
+                          help="bundled sets (mtbench, humaneval, mbpp, gsm8k) or JSONL files")
+    rollouts.add_argument("--output-dir", default="data/rollouts/SmolLM2-135M-Instruct")
+    rollouts.add_argument("--max-new-tokens", type=int, default=192)
+    rollouts.add_argument("--batch-size", type=int, default=16)
+    rollouts.set_defaults(handler=run_rollouts)
+
+    from .training.recipes import RECIPES, Recipe
+
+    defaults = Recipe()
+    train = commands.add_parser("train", help="train a drafter (DFly, DFlash, DFlare or MTP) for a target")
+    train.add_argument("--recipe", choices=sorted(RECIPES), default="dfly-code")
+    train.add_argument("--target", default="reference")
+    train.add_argument("--data", help="directory of rollout JSONL files (see `rollouts`)")
+    train.add_argument("--corpus-tokens", type=int, default=None,
+                       help="tokens of framed standard-library code (default: 400k for block recipes, 0 for MTP)")
+    train.add_argument("--draft-tokens", type=int, default=defaults.num_draft_tokens, help="MTP draft/TTT depth")
+    train.add_argument("--draft-vocab-size", type=int, default=None, help="MTP reduced vocabulary size")
+    train.add_argument("--corpus-length", type=int, default=320)
+    train.add_argument("--rollout-length", type=int, default=448)
+    train.add_argument("--output", required=True)
+    train.add_argument("--block-size", type=int, default=defaults.block_size)
+    train.add_argument("--layers", type=int, default=defaults.num_hidden_layers)
+    train.add_argument("--lk-steps", type=int, default=defaults.lk_steps)
+    train.add_argument("--tv-steps", type=int, default=defaults.tv_steps)
+    train.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    train.add_argument("--anchors", type=int, default=defaults.num_anchors)
+    train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    train.add_argument("--seed", type=int, default=defaults.seed)
+    train.add_argument("--resume", action="store_true", help="continue from the last Trainer checkpoint")
+    train.set_defaults(handler=run_train)
+
+    evaluate = commands.add_parser("eval", help="tau per domain through generate, greedy, with an identity check")
+    evaluate.add_argument("--drafter", required=True)
+    evaluate.add_argument("--target", default="reference")
+    evaluate.add_argument("--domains", nargs="+", default=["code", "math"], choices=["chat", "code", "math"])
+    evaluate.add_argument("--per-set", type=int, default=8, help="held-out prompts per prompt set")
+    evaluate.add_argument("--max-new-tokens", type=int, default=128)
+    evaluate.add_argument("--report", default="reports/eval.json")
+    evaluate.set_defaults(handler=run_eval)
     return parser
 
 

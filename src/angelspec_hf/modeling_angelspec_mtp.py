@@ -107,14 +107,20 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         """Target ids of the draft vocabulary, in draft-vocabulary order."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
-        """Logits over the target vocabulary; tokens outside a reduced draft vocabulary get -inf."""
+    def vocab_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        """Logits over the drafter's own vocabulary: the reduced one if it has one, else the target's."""
         normed = self.norm(hidden)
         if self.lm_head is None:
             return target_lm_head(normed.to(target_lm_head.weight.dtype))
-        draft = self.lm_head(normed).float()
-        full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
-        full[..., self.draft_token_ids()] = draft
+        return self.lm_head(normed)
+
+    def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        """Logits over the target vocabulary; tokens outside a reduced draft vocabulary get -inf."""
+        draft = self.vocab_logits(hidden, target_lm_head)
+        if self.lm_head is None:
+            return draft
+        full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"), dtype=torch.float32)
+        full[..., self.draft_token_ids()] = draft.float()
         return full
 
     @classmethod

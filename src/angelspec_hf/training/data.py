@@ -1,0 +1,126 @@
+"""Training data for drafters: target rollouts on prompts, and framed offline text.
+
+Drafters learn the target, not a corpus: rollouts are the target's own greedy responses (chat
+template applied), and offline text (Python source for code) is framed as an assistant reply so
+that the target's hidden states and next-token distributions look like the deployed ones. Only
+token ids are stored (4 bytes a token); features and soft labels are recomputed from the target.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from tqdm.auto import tqdm
+
+from ..prompts import load_prompts
+
+logger = logging.getLogger(__name__)
+
+
+def chat_prefix_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a user turn plus the assistant header, as generation sees them."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+def generate_rollouts(
+    target, tokenizer, prompts: list[str], out_file: Path, max_new_tokens: int = 192, batch_size: int = 16,
+    domain: str = "",
+) -> Path:
+    """Greedy target responses, appended to a JSONL file of token ids; resumable.
+
+    Rows already in ``out_file`` (matched by prompt) are skipped, so an interrupted run continues
+    where it stopped without duplicates. Prompts are bucketed by length to limit padding.
+    """
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if out_file.exists():
+        done = {json.loads(line)["prompt"] for line in out_file.read_text().splitlines() if line.strip()}
+    todo = sorted((p for p in dict.fromkeys(prompts) if p not in done), key=lambda p: len(chat_prefix_ids(tokenizer, p)))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with open(out_file, "a") as sink, tqdm(total=len(todo), desc=f"rollouts {out_file.name}", unit="prompt") as bar:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            prefixes = [chat_prefix_ids(tokenizer, p) for p in batch]
+            width = max(map(len, prefixes))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prefixes])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
+            with torch.no_grad():
+                out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      do_sample=False, pad_token_id=pad)
+            for prompt, prefix, row in zip(batch, prefixes, out[:, width:].tolist()):
+                response = _strip_after_eos(row, tokenizer.eos_token_id)
+                sink.write(json.dumps({"prompt": prompt, "domain": domain, "prompt_ids": prefix, "response_ids": response}) + "\n")
+            sink.flush()
+            bar.update(len(batch))
+    return out_file
+
+
+def _strip_after_eos(row: list[int], eos: int | None) -> list[int]:
+    if eos is not None and eos in row:
+        return row[: row.index(eos) + 1]
+    return row
+
+
+def rollout_sequences(files: list[Path], seq_len: int) -> list[dict]:
+    """Rollout rows as training sequences: prompt + response, loss from the response start."""
+    rows = []
+    for path in files:
+        for line in Path(path).read_text().splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            ids = (record["prompt_ids"] + record["response_ids"])[:seq_len]
+            if len(ids) - len(record["prompt_ids"]) >= 8:
+                rows.append({"input_ids": ids, "loss_start": len(record["prompt_ids"]), "domain": record.get("domain", "")})
+    return rows
+
+
+# --------------------------------------------------------------------------- offline text
+
+
+def python_source_files(root: str | None = None, max_bytes: int = 200_000) -> list[Path]:
+    """The Python standard library's own source: plenty of real code that every machine has."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(base.rglob("*.py")) if "site-packages" not in p.parts and p.stat().st_size <= max_bytes]
+    return files
+
+
+def framed_code_sequences(tokenizer, seq_len: int, max_tokens: int, seed: int = 0) -> list[dict]:
+    """Chunks of standard-library source framed as the assistant's reply to a training code prompt."""
+    rng = random.Random(seed)
+    prompts = load_prompts("humaneval", "train") + load_prompts("mbpp", "train")
+    files = python_source_files()
+    rng.shuffle(files)
+    fence = tokenizer.encode("```python\n", add_special_tokens=False)
+    rows, total = [], 0
+    for path in files:
+        if total >= max_tokens:
+            break
+        text = path.read_text(errors="ignore")
+        code = tokenizer.encode(text, add_special_tokens=False)
+        prefix = chat_prefix_ids(tokenizer, rng.choice(prompts)) + fence
+        body = seq_len - len(prefix)
+        if body < 32:
+            continue
+        for start in range(0, max(len(code) - 32, 1), body):
+            chunk = code[start : start + body]
+            rows.append({"input_ids": prefix + chunk, "loss_start": len(prefix), "domain": "code"})
+            total += len(chunk)
+            if total >= max_tokens:
+                break
+    return rows
+
+
+def sequences_dataset(rows: list[dict]) -> Dataset:
+    return Dataset.from_list(rows)

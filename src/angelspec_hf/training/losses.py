@@ -1,0 +1,97 @@
+"""AngelSpec training losses (DESIGN.md section 2), per draft position.
+
+Notation: target distribution ``p``, draft distribution ``q``, both over the target vocabulary.
+Inputs are logits of shape ``(..., V)``; distributions are taken with a softmax in float32.
+Per-position quantities are computed in row chunks (``CHUNK_ROWS`` positions at a time) so that
+a 49k-151k vocabulary never needs more than ``CHUNK_ROWS x V`` extra floats at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CHUNK_ROWS = 1024
+
+
+def _rowwise(function, *tensors: torch.Tensor) -> torch.Tensor:
+    """Apply ``function`` to matching row chunks of tensors shaped (..., V); returns shape (...)."""
+    shape = tensors[0].shape[:-1]
+    flat = [t.reshape(-1, t.shape[-1]) for t in tensors]
+    out = [function(*(t[i : i + CHUNK_ROWS] for t in flat)) for i in range(0, flat[0].shape[0], CHUNK_ROWS)]
+    return torch.cat(out).reshape(shape) if out else flat[0].new_zeros(shape)
+
+
+def forward_kl(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position."""
+
+    def chunk(p_logits, q_logits):
+        log_p = torch.log_softmax(p_logits.float(), dim=-1)
+        log_q = torch.log_softmax(q_logits.float(), dim=-1)
+        p = log_p.exp()
+        # 0 * log 0 = 0, and -inf draft logits (reduced vocabularies) only matter where p > 0.
+        return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+
+    return _rowwise(chunk, target_logits, draft_logits)
+
+
+def total_variation(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """TV(p, q) = 1/2 sum |p - q| per position."""
+
+    def chunk(p_logits, q_logits):
+        return 0.5 * (torch.softmax(p_logits.float(), -1) - torch.softmax(q_logits.float(), -1)).abs().sum(-1)
+
+    return _rowwise(chunk, target_logits, draft_logits)
+
+
+def acceptance_probability(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """alpha = sum min(p, q) = 1 - TV(p, q): the chance speculative sampling accepts the draft."""
+    return 1.0 - total_variation(target_logits, draft_logits)
+
+
+def lk_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor, eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lambda * KL(p||q) + (1 - lambda) * TV(p, q)`` with ``lambda = exp(-eta * stopgrad(alpha))``.
+
+    KL pulls a far-off draft towards the target's support; as acceptance grows the weight moves to
+    TV, which is what acceptance actually measures. Returns (loss, alpha) per position.
+    """
+    kl = forward_kl(target_logits, draft_logits)
+    tv = total_variation(target_logits, draft_logits)
+    alpha = 1.0 - tv
+    weight = torch.exp(-eta * alpha.detach())
+    return weight * kl + (1.0 - weight) * tv, alpha
+
+
+def end_to_end_tv_loss(alphas: torch.Tensor) -> torch.Tensor:
+    """``1 - (1/D) sum_{m<D} prod_{k<=m} alpha_k`` over the last dimension (a chain of D positions).
+
+    ``prod_{k<=m} alpha_k`` is the probability that draft position m is reached and accepted, so
+    the loss is one minus the expected accepted length divided by D; deep positions only count
+    when every earlier one is accepted.
+    """
+    return 1.0 - torch.cumprod(alphas, dim=-1).mean(dim=-1)
+
+
+def expected_accepted_length(alphas: torch.Tensor) -> torch.Tensor:
+    """``sum_m prod_{k<=m} alpha_k``: expected accepted drafts of a chain (tau - 1 under sampling)."""
+    return torch.cumprod(alphas, dim=-1).sum(dim=-1)
+
+
+def dpace_weights(confidences: torch.Tensor, smoothing: float = 0.5) -> torch.Tensor:
+    """D-PACE position weights, detached: ``w_k = sum_{j>=k} prod_{i<=j} s_i``, ``s = (1-a) c + a``.
+
+    ``confidences`` (..., D) are the draft probabilities of the true tokens. A position weighs as
+    much as the expected number of accepted positions it leads to.
+    """
+    survival = torch.cumprod((1.0 - smoothing) * confidences.detach() + smoothing, dim=-1)
+    return survival.flip(-1).cumsum(-1).flip(-1)
+
+
+def position_decay(num_positions: int, gamma: float = 0.8, device=None) -> torch.Tensor:
+    """``gamma ** k`` for k = 0..D-1: a fixed alternative to D-PACE for autoregressive chains."""
+    return torch.tensor([gamma**k for k in range(num_positions)], device=device)
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (values * weights).sum() / weights.sum().clamp_min(math.ulp(1.0))

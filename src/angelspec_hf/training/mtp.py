@@ -1,0 +1,146 @@
+"""MTP training with training-time test (TTT): the draft chain unrolled D steps per training step.
+
+Step 0 at position t reads the fused target feature and token t+1 and predicts token t+2. Step
+k >= 1 reads step k-1's own output hidden state and its own argmax token, at position t+k, and
+predicts token t+k+2; its keys are the committed (step-0) keys of positions <= t plus the keys
+its own chain wrote at steps 1..k. That is exactly what inference attends to, so deep positions
+learn to recover from the drafter's own mistakes. With ``ttt=False`` only step 0 is trained
+(teacher forcing, the ablation). Rows never attend across ``document_ids`` boundaries, so packed
+sequences stay separate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..modeling_angelspec_common import apply_rotary, rotary_cos_sin, split_heads
+from .losses import acceptance_probability, end_to_end_tv_loss, lk_loss, position_decay, weighted_mean
+
+OBJECTIVES = ("lk", "tv")
+
+
+@dataclass
+class ChainLoss:
+    loss: torch.Tensor
+    alpha: torch.Tensor  # (batch, positions, D) acceptance probability per step
+    greedy_match: torch.Tensor  # (batch, positions, D)
+    valid: torch.Tensor  # (batch, positions) chains whose every step has a label
+    draft_tokens: torch.Tensor  # (batch, positions, D) the chain's greedy tokens (target ids)
+
+    def metrics(self) -> dict[str, float]:
+        valid = self.valid
+        matched = torch.cumprod(self.greedy_match.float(), dim=-1).sum(-1)[valid]
+        return {
+            "alpha": self.alpha[valid].mean().item(),
+            "alpha_first": self.alpha[..., 0][valid].mean().item(),
+            "greedy_tau_estimate": 1.0 + matched.mean().item(),
+        }
+
+
+def step_attention(attn_module, x: torch.Tensor, positions: torch.Tensor, committed, chain, mask: torch.Tensor):
+    """Attention of one TTT step: masked over the committed (step-0) keys, diagonal over the chain.
+
+    ``committed`` is None at step 0, whose own keys then become the committed ones. Returns the
+    attention output and this step's ``(keys, values)``.
+    """
+    heads, kv_heads, dim = attn_module.num_heads, attn_module.num_kv_heads, attn_module.head_dim
+    cos, sin = rotary_cos_sin(positions, dim, attn_module.rope_theta, x.dtype)
+    q = apply_rotary(split_heads(attn_module.q_proj(x), heads, dim), cos, sin)
+    k = apply_rotary(split_heads(attn_module.k_proj(x), kv_heads, dim), cos, sin)
+    v = split_heads(attn_module.v_proj(x), kv_heads, dim)
+    diagonal = [] if committed is None else [*chain, (k, v)]
+    committed = (k, v) if committed is None else committed
+    group = heads // kv_heads
+    expand = lambda t: t.repeat_interleave(group, dim=1)  # noqa: E731
+    scale = dim**-0.5
+    scores = [(q @ expand(committed[0]).transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))]
+    scores += [(q * expand(key)).sum(-1, keepdim=True) * scale for key, _ in diagonal]
+    weights = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    length = committed[0].shape[2]
+    out = weights[..., :length] @ expand(committed[1])
+    for index, (_, value) in enumerate(diagonal):
+        out = out + weights[..., length + index : length + index + 1] * expand(value)
+    out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
+    return attn_module.o_proj(out), (k, v)
+
+
+def vocabulary_logits(drafter, lm_head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor):
+    """Draft and target logits over the drafter's vocabulary (the reduced one if it has one).
+
+    With a reduced vocabulary the target is renormalised over it (EAGLE-3's choice): outside it
+    the drafter has no mass to move, and full-vocabulary logits would cost V/|draft| times more.
+    """
+    draft = drafter.vocab_logits(draft_hidden, lm_head).float()
+    if not drafter.config.uses_reduced_vocab:
+        return draft, lm_head(target_hidden).float()
+    return draft, F.linear(target_hidden, lm_head.weight[drafter.draft_token_ids()]).float()
+
+
+def chain_loss(
+    drafter,
+    features: list[torch.Tensor],
+    input_ids: torch.Tensor,
+    target_hidden: torch.Tensor,
+    embed_tokens,
+    lm_head,
+    loss_start: torch.Tensor,
+    lengths: torch.Tensor,
+    steps: int | None = None,
+    ttt: bool = True,
+    objective: str = "lk",
+    eta: float = 3.0,
+    document_ids: torch.Tensor | None = None,
+) -> ChainLoss:
+    """Loss of an `MTPDrafter` over every chain origin of a batch, unrolled ``steps`` times.
+
+    ``target_hidden`` is the target's final (normed) hidden state; ``loss_start``/``lengths``
+    bound, per row, the positions whose tokens are trained (the response) and the real tokens.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
+    depth = (steps or drafter.config.ttt_steps) if ttt else 1
+    batch, length = input_ids.shape
+    origins = length - 1  # chain origin t reads (feature t, token t+1)
+    device, dtype = input_ids.device, drafter.dtype
+    positions = torch.arange(origins, device=device)[None].expand(batch, -1)
+    allowed = torch.ones(origins, origins, dtype=torch.bool, device=device).tril()[None, None]
+    if document_ids is not None:
+        same = document_ids[:, :origins, None] == document_ids[:, None, :origins]
+        allowed = allowed & same[:, None]
+    hidden = drafter.fuse([f[:, :origins].to(dtype) for f in features])
+    tokens = input_ids[:, 1:]
+    committed, chain, draft_logits, draft_tokens = None, [], [], []
+    # Step k of origin t predicts token t+k+2: the target's view of it sits at position t+k+1.
+    origin = torch.arange(origins, device=device)
+    for step in range(depth):
+        x = torch.cat([drafter.input_norm(embed_tokens(tokens).to(dtype)), drafter.hidden_norm(hidden)], dim=-1)
+        attn, present = step_attention(drafter.self_attn, x, positions + step, committed, chain, allowed)
+        if committed is None:
+            committed = present
+        else:
+            chain.append(present)
+        hidden = hidden + attn
+        hidden = hidden + drafter.mlp(drafter.post_attention_norm(hidden))
+        label_positions = (origin + step + 1).clamp(max=length - 1)
+        draft, target = vocabulary_logits(drafter, lm_head, hidden, target_hidden[:, label_positions])
+        draft_logits.append((draft, target))
+        with torch.no_grad():
+            best = draft.argmax(-1)
+            tokens = drafter.draft_token_ids()[best] if drafter.config.uses_reduced_vocab else best
+        draft_tokens.append(tokens)
+    draft = torch.stack([d for d, _ in draft_logits], dim=2)  # (batch, origins, D, vocab)
+    target = torch.stack([t for _, t in draft_logits], dim=2)
+    valid = (origin[None] + depth <= lengths[:, None] - 1) & (origin[None] + 2 >= loss_start[:, None])
+    greedy_match = draft.argmax(-1) == target.argmax(-1)
+    if objective == "lk":
+        per_position, alpha = lk_loss(target, draft, eta)
+        weights = valid[..., None].float() * position_decay(depth, device=device)
+        loss = weighted_mean(per_position, weights)
+    else:
+        alpha = acceptance_probability(target, draft)
+        loss = weighted_mean(end_to_end_tv_loss(alpha), valid.float())
+    return ChainLoss(loss=loss, alpha=alpha.detach(), greedy_match=greedy_match, valid=valid,
+                     draft_tokens=torch.stack(draft_tokens, dim=2))

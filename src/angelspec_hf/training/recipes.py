@@ -1,0 +1,146 @@
+"""Training recipes: named drafter configurations plus the two-stage schedule.
+
+Stage 1 (``lk``) pulls the drafter towards the target with the LK loss and D-PACE position
+weights; stage 2 (``tv``) maximises the expected accepted length directly with the end-to-end TV
+loss. The resolved recipe is saved beside the weights as ``training_recipe.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import TrainingArguments
+
+from ..modeling_angelspec_dfly import DFlyDrafter
+from ..modeling_angelspec_mtp import MTPDrafter
+from .trainer import DrafterTrainer, SequenceCollator
+
+logger = logging.getLogger(__name__)
+
+# name -> (drafter family, drafter config overrides, trainer options)
+RECIPES = {
+    "dfly-code": ("dfly", {"conditioning": "hybrid", "hidden_correction": True}, {}),
+    "dflash-code": ("dfly", {"conditioning": "global", "hidden_correction": False}, {}),
+    "dflare-code": ("dfly", {"conditioning": "layerwise", "hidden_correction": False}, {}),
+    "mtp-chat": ("mtp", {}, {"ttt": True}),
+    "mtp-chat-nottt": ("mtp", {}, {"ttt": False}),
+}
+
+
+@dataclass
+class Recipe:
+    """One training run. ``block_size``/``num_hidden_layers`` apply to block drafters,
+    ``num_draft_tokens`` (also the TTT depth) and ``draft_vocab_size`` to MTP drafters."""
+
+    name: str = "dfly-code"
+    block_size: int = 8
+    num_hidden_layers: int = 2
+    num_draft_tokens: int = 3
+    draft_vocab_size: int | None = None
+    lk_steps: int = 400
+    tv_steps: int = 100
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    num_anchors: int = 24
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
+    eta: float = 3.0
+    seed: int = 0
+    logging_steps: int = 10
+
+
+def training_arguments(recipe: Recipe, output_dir: Path, steps: int, learning_rate: float) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=recipe.batch_size,
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        warmup_steps=min(recipe.warmup_steps, max(steps // 10, 1)),
+        lr_scheduler_type="cosine",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=recipe.logging_steps,
+        save_strategy="steps",
+        save_steps=max(steps // 4, 50),
+        save_total_limit=1,
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        seed=recipe.seed,
+    )
+
+
+def new_drafter(target, recipe: Recipe, token_counts: torch.Tensor | None = None):
+    """A fresh drafter of the recipe's family, sized for ``target``.
+
+    A reduced MTP vocabulary keeps the ``draft_vocab_size`` most frequent tokens of ``token_counts``.
+    """
+    family, overrides, _ = RECIPES[recipe.name]
+    if family == "dfly":
+        return DFlyDrafter.from_target(target, block_size=recipe.block_size,
+                                       num_hidden_layers=recipe.num_hidden_layers, **overrides)
+    ids = None
+    if recipe.draft_vocab_size is not None and token_counts is not None:
+        ids = token_counts.topk(recipe.draft_vocab_size).indices
+    return MTPDrafter.from_target(target, num_draft_tokens=recipe.num_draft_tokens,
+                                  draft_vocab_size=None if ids is not None else recipe.draft_vocab_size,
+                                  draft_token_ids=ids, **overrides)
+
+
+def token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        counts += torch.bincount(torch.tensor(row["input_ids"][row["loss_start"]:], dtype=torch.long), minlength=vocab_size)
+    return counts
+
+
+def train_drafter(
+    target, train_rows: list[dict], output_dir: str | os.PathLike, recipe: Recipe,
+    pad_token_id: int, finish_rows: list[dict] | None = None, resume: bool = False,
+    drafter=None,
+):
+    """Train a drafter for ``target``; saves ``output_dir/lk`` and ``output_dir/final``.
+
+    ``train_rows`` feed the LK stage, ``finish_rows`` (default: the same) the TV stage: target
+    rollouts are the natural finish because they match the deployed distribution. A ``drafter``
+    given continues training (for example the TV stage alone on data that arrived later).
+    """
+    if recipe.name not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe.name!r}; choose one of {sorted(RECIPES)}.")
+    output_dir = Path(output_dir)
+    torch.manual_seed(recipe.seed)
+    if drafter is None:
+        drafter = new_drafter(target, recipe, token_counts(train_rows, target.config.get_text_config().vocab_size))
+    trainer_options = RECIPES[recipe.name][2]
+    collator = SequenceCollator(pad_token_id)
+    stages = [("lk", recipe.lk_steps, Dataset.from_list(train_rows), recipe.learning_rate),
+              ("tv", recipe.tv_steps, Dataset.from_list(finish_rows or train_rows), recipe.learning_rate / 3)]
+    for objective, steps, dataset, learning_rate in stages:
+        if steps <= 0:
+            continue
+        stage_dir = output_dir / f"checkpoints-{objective}"
+        trainer = DrafterTrainer(
+            model=drafter, args=training_arguments(recipe, stage_dir, steps, learning_rate), train_dataset=dataset,
+            data_collator=collator, target=target, objective=objective, num_anchors=recipe.num_anchors, eta=recipe.eta,
+            **trainer_options,
+        )
+        checkpoint = resume and any(stage_dir.glob("checkpoint-*"))
+        trainer.train(resume_from_checkpoint=True if checkpoint else None)
+        save_drafter(drafter.eval(), output_dir / ("lk" if objective == "lk" else "final"), recipe, objective)
+        drafter.train()
+    if recipe.tv_steps <= 0:
+        save_drafter(drafter.eval(), output_dir / "final", recipe, "lk")
+    return drafter.eval()
+
+
+def save_drafter(drafter, path: Path, recipe: Recipe, last_stage: str) -> None:
+    drafter.save_pretrained(path)
+    (path / "training_recipe.json").write_text(json.dumps({**asdict(recipe), "last_stage": last_stage}, indent=2))

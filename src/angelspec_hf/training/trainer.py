@@ -1,0 +1,87 @@
+"""Drafter training with ``transformers.Trainer``: checkpointing, resume, logging, gradient
+accumulation and ``accelerate launch`` multi-GPU come from the Trainer.
+
+The frozen target is held by the trainer (never a submodule of the drafter, so it is never
+saved) and run on the fly for features and soft labels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+from transformers import Trainer
+
+from .block import block_loss, sample_anchors
+from .mtp import chain_loss
+
+logger = logging.getLogger(__name__)
+
+
+class SequenceCollator:
+    """Right-pads token sequences; keeps each row's length and where its loss starts."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(row["input_ids"]) for row in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row["input_ids"])] = torch.tensor(row["input_ids"])
+            mask[i, : len(row["input_ids"])] = 1
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "lengths": mask.sum(1),
+            "loss_start": torch.tensor([row["loss_start"] for row in rows]),
+        }
+
+
+class DrafterTrainer(Trainer):
+    """Trains an AngelSpec drafter against a frozen target with the LK or end-to-end TV objective.
+
+    Block drafters (DFly family) train on ``num_anchors`` random blocks per row; MTP drafters on
+    every chain origin, unrolled ``ttt_steps`` deep (or one step with ``ttt=False``).
+    """
+
+    def __init__(self, *args, target, objective: str = "lk", num_anchors: int = 16, eta: float = 3.0,
+                 ttt: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.target = target.eval().requires_grad_(False)
+        self.objective, self.num_anchors, self.eta, self.ttt = objective, num_anchors, eta, ttt
+        self.layer_ids = list(self.model.config.target_layer_ids)
+        self._metric_sums: dict[str, float] = defaultdict(float)
+        self._metric_count = 0
+        self._anchor_generator = torch.Generator().manual_seed(self.args.seed)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        input_ids = inputs["input_ids"]
+        with torch.no_grad():
+            # The base model only: the lm_head is applied later at the label positions alone.
+            out = self.target.base_model(input_ids=input_ids, attention_mask=inputs["attention_mask"],
+                                         output_hidden_states=[i + 1 for i in self.layer_ids])
+        features = [out.hidden_states[i + 1] for i in self.layer_ids]
+        embed, lm_head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
+        if hasattr(model.config, "block_size"):
+            anchors = sample_anchors(inputs["loss_start"], inputs["lengths"], model.config.block_size,
+                                     self.num_anchors, self._anchor_generator)
+            result = block_loss(model, features, input_ids, out.last_hidden_state, embed, lm_head, anchors,
+                                objective=self.objective, eta=self.eta)
+        else:
+            result = chain_loss(model, features, input_ids, out.last_hidden_state, embed, lm_head,
+                                inputs["loss_start"], inputs["lengths"], ttt=self.ttt, objective=self.objective,
+                                eta=self.eta)
+        for key, value in result.metrics().items():
+            self._metric_sums[key] += value
+        self._metric_count += 1
+        return (result.loss, result) if return_outputs else result.loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if self._metric_count:
+            logs.update({key: value / self._metric_count for key, value in self._metric_sums.items()})
+            self._metric_sums.clear()
+            self._metric_count = 0
+        super().log(logs, *args, **kwargs)

@@ -1,0 +1,98 @@
+"""Block (DFly-family) training: anchors, the block mask, train/inference agreement, the trainer."""
+
+import json
+
+import torch
+from transformers import AutoModel
+
+from angelspec_hf import DFlyDrafter
+from angelspec_hf.training.block import block_attention_mask, block_loss, sample_anchors
+from angelspec_hf.training.recipes import Recipe, train_drafter
+from conftest import PROMPT_LENGTH
+from fitting import target_features
+
+
+def test_block_attention_mask_sees_context_before_anchor_and_own_block():
+    mask = block_attention_mask(torch.tensor([[2, 4]]), block_size=2, context_length=5)[0, 0]
+    expected = torch.tensor([
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 1, 1],
+        [1, 1, 1, 1, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+def test_sample_anchors_stay_inside_each_row():
+    anchors = sample_anchors(torch.tensor([3, 0]), torch.tensor([12, 7]), block_size=4, num_anchors=5,
+                             generator=torch.Generator().manual_seed(0))
+    assert anchors.shape == (2, 5)
+    assert anchors[0].min() >= 3 and anchors[0].max() <= 9
+    assert anchors[1].min() >= 1 and anchors[1].max() <= 4
+
+
+def test_training_forward_matches_inference_forward(targets):
+    """Many anchors in one masked forward give each block what inference computes for it alone."""
+    target = targets.target("llama")
+    torch.manual_seed(0)
+    drafter = DFlyDrafter.from_target(target, block_size=4).eval()
+    sequence = targets.sequences("llama")[:1]
+    features = target_features(target, sequence, drafter.config.target_layer_ids)
+    embed = target.get_input_embeddings()
+    anchors = torch.tensor([[7, 15, 30]])
+    length = sequence.shape[1]
+    context_kv = drafter.context_keys_values(features, torch.arange(length)[None])
+    positions = anchors[..., None] + torch.arange(4)
+    ids = torch.full_like(positions, drafter.config.mask_token_id)
+    ids[..., 0] = sequence.gather(1, anchors)
+    with torch.no_grad():
+        batched = drafter(embed(ids.flatten(1)), positions.flatten(1), context_kv,
+                          block_attention_mask(anchors, 4, length)).view(1, 3, 4, -1)
+        for index, anchor in enumerate(anchors[0].tolist()):
+            alone_kv = drafter.context_keys_values([f[:, :anchor] for f in features], torch.arange(anchor)[None])
+            alone = drafter(embed(ids[:, index]), positions[:, index], alone_kv)
+            torch.testing.assert_close(batched[:, index], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_block_loss_objectives_have_gradients(targets):
+    target = targets.target("qwen3")
+    drafter = DFlyDrafter.from_target(target, block_size=4)
+    sequence = targets.sequences("qwen3")[:2]
+    out = target.base_model(sequence, output_hidden_states=[i + 1 for i in drafter.config.target_layer_ids])
+    features = [out.hidden_states[i + 1] for i in drafter.config.target_layer_ids]
+    anchors = sample_anchors(torch.tensor([PROMPT_LENGTH] * 2), torch.tensor([sequence.shape[1]] * 2), 4, 6)
+    for objective in ("lk", "tv"):
+        drafter.zero_grad()
+        result = block_loss(drafter, features, sequence, out.last_hidden_state, target.get_input_embeddings(),
+                            target.get_output_embeddings(), anchors, objective=objective)
+        result.loss.backward()
+        assert result.alpha.shape == (2, 6, 3)
+        assert drafter.context_proj.weight.grad.abs().sum() > 0
+        assert 1.0 <= result.metrics()["greedy_tau_estimate"] <= 4.0
+
+
+def test_two_stage_training_improves_the_drafter_and_saves_it(targets, tmp_path):
+    target = targets.target("llama")
+    sequences = targets.sequences("llama")
+    rows = [{"input_ids": row.tolist(), "loss_start": PROMPT_LENGTH} for row in sequences]
+    recipe = Recipe(name="dfly-code", block_size=4, num_hidden_layers=1, lk_steps=40, tv_steps=10, batch_size=6,
+                         num_anchors=6, learning_rate=3e-3, logging_steps=5)
+    drafter = train_drafter(target, rows, tmp_path, recipe, pad_token_id=0)
+    for stage in ("lk", "final"):
+        assert (tmp_path / stage / "model.safetensors").exists()
+        assert json.loads((tmp_path / stage / "training_recipe.json").read_text())["name"] == "dfly-code"
+    untrained = DFlyDrafter.from_target(target, block_size=4, num_hidden_layers=1).eval()
+    loaded = AutoModel.from_pretrained(tmp_path / "final").eval()
+    taus = {}
+    for name, model in (("untrained", untrained), ("trained", loaded)):
+        new_tokens = rounds = 0
+        for row in sequences[:4]:
+            out = target.generate(row[None, :PROMPT_LENGTH], assistant_model=model, max_new_tokens=30,
+                                  do_sample=False, eos_token_id=None)
+            assert torch.equal(out, target.generate(row[None, :PROMPT_LENGTH], max_new_tokens=30, do_sample=False,
+                                                    eos_token_id=None))
+            new_tokens += out.shape[1] - PROMPT_LENGTH - 1
+            rounds += model.last_speculation_stats.rounds
+        taus[name] = new_tokens / rounds
+    assert taus["trained"] > taus["untrained"] + 0.3, taus
+    assert drafter.config.variant == "dfly"

@@ -1,0 +1,51 @@
+"""Prompt splits and rollout generation."""
+
+import json
+
+import torch
+
+from angelspec_hf.prompts import domain_prompts, load_prompts
+from angelspec_hf.training.data import chat_prefix_ids, generate_rollouts, rollout_sequences
+from fitting import tiny_tokenizer
+
+
+def test_eval_and_train_splits_are_disjoint_and_complete():
+    for name, rows in (("humaneval", 123), ("mbpp", 193), ("gsm8k", 750), ("mtbench", 60)):
+        train, held_out, everything = (load_prompts(name, split) for split in ("train", "eval", "all"))
+        assert len(everything) == rows and len(held_out) == (rows + 3) // 4
+        assert not set(train) & set(held_out)
+        assert sorted(train + held_out) == sorted(everything)
+    assert len(domain_prompts("code", "eval", per_set=5)) == 10
+
+
+def test_rollouts_are_resumable_without_duplicates(targets, tmp_path):
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    prompts = [" ".join(f"w{(7 * i + j) % 90 + 6}" for j in range(3 + i % 4)) for i in range(7)]
+    out = tmp_path / "rollouts.jsonl"
+    generate_rollouts(target, tokenizer, prompts[:5], out, max_new_tokens=12, batch_size=1, domain="code")
+    first = [json.loads(line) for line in out.read_text().splitlines()]
+    generate_rollouts(target, tokenizer, prompts, out, max_new_tokens=12, batch_size=1, domain="code")
+    assert chat_prefix_ids(tokenizer, "w6 w13")[1:3] == [6, 13]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[: len(first)] == first and len(rows) == 7
+    assert sorted(row["prompt"] for row in rows) == sorted(prompts)
+    for row in rows:
+        prefix = chat_prefix_ids(tokenizer, row["prompt"])
+        assert row["prompt_ids"] == prefix and row["domain"] == "code"
+        # Rollouts are the target's own greedy continuation of the chat-formatted prompt.
+        prefix_ids = torch.tensor([prefix])
+        alone = target.generate(prefix_ids, attention_mask=torch.ones_like(prefix_ids), max_new_tokens=12,
+                                do_sample=False, pad_token_id=0)
+        expected = alone[0, len(prefix):].tolist()
+        if 2 in expected:
+            expected = expected[: expected.index(2) + 1]
+        assert row["response_ids"] == expected
+    batched = tmp_path / "batched.jsonl"
+    generate_rollouts(target, tokenizer, prompts, batched, max_new_tokens=12, batch_size=3)
+    # Left padding changes nothing but padding: same prompts, same prompt ids, bounded responses.
+    batched_rows = {json.loads(line)["prompt"]: json.loads(line) for line in batched.read_text().splitlines()}
+    assert set(batched_rows) == set(prompts)
+    assert all(batched_rows[row["prompt"]]["prompt_ids"] == row["prompt_ids"] for row in rows)
+    assert all(0 < len(row["response_ids"]) <= 12 for row in batched_rows.values())
+    sequences = rollout_sequences([out], seq_len=64)
+    assert all(seq["loss_start"] == len(chat_prefix_ids(tokenizer, row["prompt"])) for seq, row in zip(sequences, rows))
