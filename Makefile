@@ -16,11 +16,11 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch is pinned and installed first so pip takes the local CPU wheel, never a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,train]"
+	$(BIN)/pip install --quiet -e ".[dev,train,bench]"
 	touch $(STAMP)
 
 bench: $(STAMP)
-	$(BIN)/angelspec-hf demo
+	$(BIN)/angelspec-hf bench
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,154 @@
+"""The speedup benchmark at batch 1 through ``target.generate``: the main job.
+
+For every prompt all methods run back to back (interleaved, so drifts of a shared machine hit
+them alike), greedy, and each method's output is compared with plain autoregressive generate.
+Per method and domain: median tokens/s, median speedup over AR on the same prompts, tau (tokens
+per target forward, for drafters), and whether every output was identical.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .evaluation import chat_inputs
+from .prompts import domain_prompts
+
+logger = logging.getLogger(__name__)
+
+AR = "AR (plain generate)"
+PROMPT_LOOKUP = "prompt lookup"
+
+
+@dataclass
+class Method:
+    name: str
+    generate_kwargs: dict = field(default_factory=dict)
+    drafter: object = None
+
+
+@dataclass
+class Run:
+    method: str
+    domain: str
+    prompt_index: int
+    new_tokens: int
+    seconds: float
+    identical: bool
+    tau: float | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+def methods_for(drafters: dict[str, object], prompt_lookup_tokens: int = 8) -> list[Method]:
+    methods = [Method(AR), Method(PROMPT_LOOKUP, {"prompt_lookup_num_tokens": prompt_lookup_tokens})]
+    methods += [Method(name, {"assistant_model": drafter}, drafter) for name, drafter in drafters.items()]
+    return methods
+
+
+def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
+                  max_new_tokens: int) -> list[Run]:
+    methods = methods_for(drafters)
+    prompts = [(domain, index, prompt) for domain in domains
+               for index, prompt in enumerate(domain_prompts(domain, "eval", per_set))]
+    runs: list[Run] = []
+    with torch.no_grad():
+        inputs = chat_inputs(tokenizer, prompts[0][2])
+        target.generate(**inputs, max_new_tokens=4, do_sample=False)  # warm-up
+        for domain, index, prompt in tqdm(prompts, desc="benchmark", unit="prompt"):
+            inputs = chat_inputs(tokenizer, prompt)
+            reference = None
+            for method in methods:
+                start = time.perf_counter()
+                out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **method.generate_kwargs)
+                seconds = time.perf_counter() - start
+                if reference is None:
+                    reference = out
+                stats = getattr(method.drafter, "last_speculation_stats", None)
+                runs.append(Run(method.name, domain, index, out.shape[1] - inputs["input_ids"].shape[1], seconds,
+                                torch.equal(out, reference), stats.tau if stats is not None else None))
+    return runs
+
+
+def summarise(runs: list[Run]) -> list[dict]:
+    """One row per (method, domain): medians over prompts, speedups against AR on the same prompt."""
+    ar = {(r.domain, r.prompt_index): r for r in runs if r.method == AR}
+    rows = []
+    for method in dict.fromkeys(r.method for r in runs):
+        for domain in dict.fromkeys(r.domain for r in runs):
+            mine = [r for r in runs if r.method == method and r.domain == domain]
+            if not mine:
+                continue
+            taus = [r.tau for r in mine if r.tau is not None]
+            rows.append({
+                "method": method,
+                "domain": domain,
+                "prompts": len(mine),
+                "tokens_per_s": statistics.median(r.tokens_per_s for r in mine),
+                "speedup": statistics.median(r.tokens_per_s / ar[(r.domain, r.prompt_index)].tokens_per_s for r in mine),
+                "tau": statistics.mean(taus) if taus else None,
+                "lossless": all(r.identical for r in mine),
+            })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = f"{'method':34} {'domain':6} {'n':>3} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'lossless':>8}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
+        lines.append(f"{row['method'][:34]:34} {row['domain']:6} {row['prompts']:>3} {tau:>5} "
+                     f"{row['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {'yes' if row['lossless'] else 'NO':>8}")
+    return "\n".join(lines)
+
+
+def write_chart(rows: list[dict], path: Path) -> bool:
+    """Speedup by method and domain as a grouped bar chart; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no chart written")
+        return False
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(2.2 * len(domains) + 3, 4))
+    for i, method in enumerate(methods):
+        values = [next((r["speedup"] for r in rows if r["method"] == method and r["domain"] == d), 0.0) for d in domains]
+        ax.bar([j + i * width for j in range(len(domains))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(domains))], domains)
+    ax.set_ylabel("speedup over plain generate (median)")
+    ax.set_title("batch 1, greedy, reference target")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(runs: list[Run], rows: list[dict], path: Path, settings: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        **settings,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "summary": rows,
+        "runs": [{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in runs],
+    }
+    path.write_text(json.dumps(report, indent=2))
