@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .losses import acceptance_probability, dpace_weights, end_to_end_tv_loss, lk_loss, weighted_mean
+from .losses import (
+    acceptance_probability,
+    dpace_weights,
+    end_to_end_tv_loss,
+    expected_accepted_length,
+    lk_loss,
+    weighted_mean,
+)
 
 OBJECTIVES = ("lk", "tv")
 
@@ -25,7 +32,7 @@ class BlockLoss:
     greedy_match: torch.Tensor  # (batch, anchors, B-1) draft argmax == target argmax
 
     def metrics(self) -> dict[str, float]:
-        accepted_greedy = torch.cumprod(self.greedy_match.float(), dim=-1).sum(-1)
+        accepted_greedy = expected_accepted_length(self.greedy_match.float())
         return {
             "alpha": self.alpha.mean().item(),
             "alpha_first": self.alpha[..., 0].mean().item(),

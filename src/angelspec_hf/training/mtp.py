@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling_angelspec_common import apply_rotary, rotary_cos_sin, split_heads
-from .losses import acceptance_probability, end_to_end_tv_loss, lk_loss, position_decay, weighted_mean
+from .losses import (
+    acceptance_probability,
+    end_to_end_tv_loss,
+    expected_accepted_length,
+    lk_loss,
+    position_decay,
+    weighted_mean,
+)
 
 OBJECTIVES = ("lk", "tv")
 
@@ -32,7 +39,7 @@ class ChainLoss:
 
     def metrics(self) -> dict[str, float]:
         valid = self.valid
-        matched = torch.cumprod(self.greedy_match.float(), dim=-1).sum(-1)[valid]
+        matched = expected_accepted_length(self.greedy_match.float())[valid]
         return {
             "alpha": self.alpha[valid].mean().item(),
             "alpha_first": self.alpha[..., 0][valid].mean().item(),
