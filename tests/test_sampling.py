@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from angelspec_hf import DFlyDrafter, MTPDrafter
+from angelspec_hf.generation import CostModel, DCutPolicy
 from angelspec_hf.reference import tiny_target
 
 VOCAB = 10
@@ -66,13 +67,19 @@ def min_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def drafters(target):
     torch.manual_seed(5)
+    cut = DFlyDrafter.from_target(target, block_size=4).eval()
+    # A verification cost curve under which D-cut really cuts: the draft length then depends on
+    # the draft's own confidences, which must not bias the output distribution.
+    cut.draft_policy = DCutPolicy(CostModel(target="t", hardware="t", tokens=[1, 4], contexts=[0, 100],
+                                            seconds=[[1.0, 1.0], [1.6, 1.6]]), explore_every=5)
     return {
         "mtp": MTPDrafter.from_target(target, num_draft_tokens=3).eval(),
         "dfly": DFlyDrafter.from_target(target, block_size=4).eval(),
+        "dfly+dcut": cut,
     }
 
 
-@pytest.mark.parametrize("name", ["mtp", "dfly"])
+@pytest.mark.parametrize("name", ["mtp", "dfly", "dfly+dcut"])
 @pytest.mark.parametrize("settings", [{}, {"temperature": 0.7, "top_k": 6}], ids=["t1", "t0.7-top6"])
 def test_speculative_sampling_matches_plain_sampling(small_target, name, settings):
     drafter = drafters(small_target)[name]

@@ -7,6 +7,7 @@ it as Hub remote code: a process that never imported ``angelspec_hf`` still gets
 when it loads a drafter with ``trust_remote_code=True``.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,6 +239,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.committed = 0  # target positions whose features the drafter has ingested
         self.prefilled = False
         self.last_draft_length = 0
+        self.last_draft_seconds = 0.0
+        self.last_confidences: list[float] | None = None  # set in rounds a draft policy decided
         self.key_padding: torch.Tensor | None = None  # (1, committed) bool, None while all are real tokens
         self.stats = SpeculationStats()
         drafter.last_speculation_stats = self.stats
@@ -257,6 +260,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         # The first round only prefills the target: a draft needs the features it produces.
         self.last_draft_length = 0
+        self.last_confidences = None
         if is_first_iteration:
             return input_ids, None
         num_new = input_ids.shape[1] - 1 - self.committed
@@ -272,10 +276,23 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             self.ingest(input_ids, features)
         self.committed += num_new
         budget = min(self.max_draft_tokens, self.max_length - input_ids.shape[1] - 1)
-        if budget < 1:
+        # An optional draft policy (D-cut, duck-typed so remote code needs nothing of ours) may
+        # skip drafting or keep only a prefix; the choice uses draft-side information only, so
+        # greedy output stays identical and sampling keeps the target distribution.
+        policy = getattr(self.drafter, "draft_policy", None)
+        if budget < 1 or (policy is not None and not policy.should_draft()):
             return input_ids, None
+        start = time.perf_counter()
         with torch.no_grad():
             tokens, logits = self.draft(input_ids, budget)
+        self.last_draft_seconds = time.perf_counter() - start
+        if policy is not None:
+            confidences = logits.softmax(dim=-1).gather(-1, tokens.to(logits.device)[..., None])[0, :, 0].tolist()
+            keep = policy.choose(confidences, input_ids.shape[1])
+            self.last_confidences = confidences[:keep]
+            tokens, logits = tokens[:, :keep], logits[:, :keep]
+            if keep == 0:
+                return input_ids, None
         self.last_draft_length = tokens.shape[1]
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits.to(input_ids.device)
 
@@ -285,6 +302,9 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             return
         self.stats.drafted.append(self.last_draft_length)
         self.stats.accepted.append(int(num_matches))
+        if self.last_confidences is not None:
+            self.drafter.draft_policy.observe(self.last_confidences, int(num_matches), self.last_draft_seconds,
+                                              input_ids.shape[1])
 
     def _extend_key_padding(self, model_kwargs: dict[str, Any] | None, num_new: int) -> None:
         mask = (model_kwargs or {}).get("attention_mask")

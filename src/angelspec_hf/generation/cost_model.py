@@ -1,0 +1,115 @@
+"""What a target forward costs on this hardware: ``C(new_tokens, context)`` at batch 1.
+
+Verification is not free even at batch 1 (on 2 CPU cores 8 new tokens cost about twice one), so
+D-cut needs the real curve. ``profile_target`` measures a grid (warm-up, medians, progress bar),
+``CostModel`` interpolates it, monotone in both axes, and saves as JSON keyed by target and
+hardware; loading a profile made on other hardware warns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
+
+
+def hardware_id() -> str:
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name()}"
+    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}:threads={torch.get_num_threads()}"
+
+
+@dataclass
+class CostModel:
+    """Seconds of one target forward verifying ``tokens[i]`` new tokens at context ``contexts[j]``."""
+
+    target: str
+    hardware: str
+    tokens: list[int]
+    contexts: list[int]
+    seconds: list[list[float]]  # [len(tokens)][len(contexts)]
+
+    def __post_init__(self):
+        # Monotone: more tokens or more context never costs less (measurement noise aside).
+        grid = torch.tensor(self.seconds, dtype=torch.float64)
+        grid = torch.cummax(torch.cummax(grid, dim=0).values, dim=1).values
+        self.seconds = grid.tolist()
+
+    def verify_seconds(self, new_tokens: int, context: int) -> float:
+        """Linear interpolation in both axes, clamped at the grid's edges."""
+        return _interpolate_2d(self.tokens, self.contexts, self.seconds, new_tokens, context)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        model = cls(**json.loads(Path(path).read_text()))
+        if model.hardware != hardware_id():
+            logger.warning("Cost profile %s was measured on %s, this is %s: re-run `angelspec-hf profile`.",
+                           path, model.hardware, hardware_id())
+        return model
+
+
+def _interpolate_1d(xs: list[int], x: float) -> tuple[int, int, float]:
+    if x <= xs[0]:
+        return 0, 0, 0.0
+    if x >= xs[-1]:
+        return len(xs) - 1, len(xs) - 1, 0.0
+    for i in range(len(xs) - 1):
+        if xs[i] <= x <= xs[i + 1]:
+            return i, i + 1, (x - xs[i]) / (xs[i + 1] - xs[i])
+    raise AssertionError("unreachable")
+
+
+def _interpolate_2d(rows: list[int], columns: list[int], grid: list[list[float]], row: float, column: float) -> float:
+    r0, r1, tr = _interpolate_1d(rows, row)
+    c0, c1, tc = _interpolate_1d(columns, column)
+    top = grid[r0][c0] * (1 - tc) + grid[r0][c1] * tc
+    bottom = grid[r1][c0] * (1 - tc) + grid[r1][c1] * tc
+    return top * (1 - tr) + bottom * tr
+
+
+def _median_seconds(function, repeats: int) -> float:
+    function()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def profile_target(target, name: str, tokens=(1, 2, 4, 8, 16), contexts=(64, 256, 768), repeats: int = 5) -> CostModel:
+    """Measure the target's forward time over a grid of new tokens x context length (batch 1)."""
+    vocab = target.config.get_text_config().vocab_size
+    device = target.device
+    grid = [[0.0] * len(contexts) for _ in tokens]
+    with tqdm(total=len(tokens) * len(contexts), desc="profiling target", unit="point") as bar:
+        for j, context in enumerate(contexts):
+            cache = DynamicCache(config=target.config)
+            target(torch.randint(0, vocab, (1, context), device=device), past_key_values=cache, use_cache=True)
+            for i, count in enumerate(tokens):
+                new = torch.randint(0, vocab, (1, count), device=device)
+
+                def step():
+                    target(new, past_key_values=cache, use_cache=True)
+                    cache.crop(-count)
+
+                grid[i][j] = _median_seconds(step, repeats)
+                bar.update(1)
+    return CostModel(target=name, hardware=hardware_id(), tokens=list(tokens), contexts=list(contexts), seconds=grid)

@@ -1,0 +1,120 @@
+"""D-cut at batch 1: where to cut each draft, and when not to draft at all.
+
+Each drafted position j has a confidence ``c_j`` (the draft probability of its token), calibrated
+online against observed acceptance; the survival ``s_j = prod_{i<=j} c_i`` is the expected
+acceptance of position j. Keeping k positions yields ``1 + sum_{j<=k} s_j`` tokens for one
+verification of k+1 tokens, whose cost comes from the profiled `CostModel`; D-cut keeps the k that
+maximises tokens per second. Drafting itself is timed online; when recent rounds produced fewer
+tokens per second than plain decoding would have, the policy stops drafting and only retries
+every ``explore_every`` rounds, so a speculative configuration is not slower than AR for long.
+Every ``explore_every``-th kept draft is kept whole, so the calibration keeps seeing outcomes at
+every depth even when the current estimate says to cut short.
+
+The candidate generators look for ``drafter.draft_policy`` (duck-typed: ``should_draft``,
+``choose``, ``observe``); drafters without one draft their fixed length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .cost_model import CostModel
+
+
+@dataclass
+class Calibrator:
+    """Per-bin acceptance rates of raw confidences, shrunk towards the raw value while data is scarce."""
+
+    bins: int = 10
+    prior_weight: float = 4.0
+    accepted: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted = self.accepted or [0.0] * self.bins
+        self.seen = self.seen or [0.0] * self.bins
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.bins), self.bins - 1)
+
+    def __call__(self, confidence: float) -> float:
+        b = self._bin(confidence)
+        return (self.accepted[b] + self.prior_weight * confidence) / (self.seen[b] + self.prior_weight)
+
+    def update(self, confidence: float, was_accepted: bool) -> None:
+        b = self._bin(confidence)
+        self.seen[b] += 1
+        self.accepted[b] += float(was_accepted)
+
+
+def expected_tokens(survival: list[float], k: int) -> float:
+    return 1.0 + sum(survival[:k])
+
+
+def best_cut(confidences: list[float], verify_seconds, draft_seconds: float = 0.0) -> int:
+    """The k in 0..len(confidences) maximising ``(1 + sum_{j<=k} s_j) / (draft + verify(k + 1))``."""
+    survival, running = [], 1.0
+    for confidence in confidences:
+        running *= confidence
+        survival.append(running)
+    rates = [expected_tokens(survival, k) / (draft_seconds + verify_seconds(k + 1)) for k in range(len(confidences) + 1)]
+    return max(range(len(rates)), key=rates.__getitem__)
+
+
+class FixedLengthPolicy:
+    """Always keeps the full draft: the comparison point for D-cut."""
+
+    def should_draft(self) -> bool:
+        return True
+
+    def choose(self, confidences: list[float], context: int) -> int:
+        return len(confidences)
+
+    def observe(self, confidences: list[float], accepted: int, draft_seconds: float, context: int) -> None:
+        pass
+
+
+class DCutPolicy:
+    """Cost-aware draft cutting for one drafter at batch 1 (see the module docstring)."""
+
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2):
+        self.cost_model = cost_model
+        self.calibrator = Calibrator()
+        self.explore_every = explore_every
+        self.smoothing = smoothing
+        self.draft_seconds: float | None = None  # moving average of one round's drafting time
+        self.efficiency: float | None = None  # moving average of (tokens/s drafting) / (tokens/s plain)
+        self.skipped = 0
+        self.decisions = 0
+
+    def verify(self, context: int):
+        return lambda tokens: self.cost_model.verify_seconds(tokens, context)
+
+    def should_draft(self) -> bool:
+        if self.efficiency is None or self.efficiency >= 1.0:
+            return True
+        self.skipped += 1
+        if self.skipped >= self.explore_every:
+            self.skipped = 0
+            return True
+        return False
+
+    def choose(self, confidences: list[float], context: int) -> int:
+        self.decisions += 1
+        if self.decisions % self.explore_every == 0:
+            return len(confidences)
+        calibrated = [self.calibrator(c) for c in confidences]
+        return best_cut(calibrated, self.verify(context))
+
+    def observe(self, confidences: list[float], accepted: int, draft_seconds: float, context: int) -> None:
+        """Learn from a verified round: which kept positions were accepted, and what drafting cost."""
+        for position, confidence in enumerate(confidences[: accepted + 1]):
+            self.calibrator.update(confidence, position < accepted)
+        self.draft_seconds = _moving(self.draft_seconds, draft_seconds, self.smoothing)
+        verify = self.verify(context)
+        rate = (accepted + 1) / (draft_seconds + verify(len(confidences) + 1))
+        self.efficiency = _moving(self.efficiency, rate * verify(1), self.smoothing)
+
+
+def _moving(average: float | None, value: float, smoothing: float) -> float:
+    return value if average is None else (1 - smoothing) * average + smoothing * value

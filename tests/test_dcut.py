@@ -1,0 +1,116 @@
+"""D-cut and the cost model."""
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from angelspec_hf.generation import CostModel, DCutPolicy, FixedLengthPolicy, profile_target
+from angelspec_hf.generation.dcut import Calibrator, best_cut
+from conftest import PROMPT_LENGTH
+
+
+def linear_cost(base: float, per_token: float) -> CostModel:
+    tokens = [1, 2, 4, 8, 16]
+    return CostModel(target="synthetic", hardware="synthetic", tokens=tokens, contexts=[0, 4096],
+                     seconds=[[base + per_token * (t - 1)] * 2 for t in tokens])
+
+
+def brute_force(confidences, verify):
+    def rate(k):
+        expected = 1.0 + sum(torch.tensor(confidences[:j]).prod().item() for j in range(1, k + 1))
+        return expected / verify(k + 1)
+    return max(range(len(confidences) + 1), key=rate)
+
+
+@pytest.mark.parametrize("per_token", [0.0, 0.01, 0.05, 0.2, 1.0])
+def test_best_cut_is_the_brute_force_optimum(per_token):
+    model = linear_cost(0.1, per_token)
+    verify = lambda n: model.verify_seconds(n, 100)  # noqa: E731
+    generator = torch.Generator().manual_seed(int(per_token * 1000))
+    for _ in range(50):
+        confidences = torch.rand(7, generator=generator).tolist()
+        assert best_cut(confidences, verify) == brute_force(confidences, verify)
+
+
+def test_best_cut_extremes_by_hand():
+    free = lambda n: 1.0  # noqa: E731
+    assert best_cut([0.9, 0.5, 0.1], free) == 3  # verification is free: keep everything
+    expensive = lambda n: float(n)  # noqa: E731
+    assert best_cut([0.9, 0.5, 0.1], expensive) == 0  # each token costs a full step: draft nothing
+    # cost 1 + 0.5 (n - 1): k=1 gives 1.9/1.5 = 1.267, k=2 gives 2.35/2.0 = 1.175, k=0 gives 1.
+    assert best_cut([0.9, 0.5], lambda n: 1 + 0.5 * (n - 1)) == 1
+
+
+def test_cost_model_is_monotone_interpolates_and_round_trips(tmp_path, caplog):
+    model = CostModel(target="t", hardware="elsewhere", tokens=[1, 4], contexts=[10, 100],
+                      seconds=[[1.0, 2.0], [0.5, 4.0]])
+    assert model.seconds == [[1.0, 2.0], [1.0, 4.0]]  # 4 tokens never cheaper than 1
+    assert model.verify_seconds(1, 55) == pytest.approx(1.5)
+    assert model.verify_seconds(4, 1000) == pytest.approx(4.0)
+    assert model.verify_seconds(2.5, 55) == pytest.approx(2.0)
+    with caplog.at_level(logging.WARNING):
+        loaded = CostModel.load(model.save(tmp_path / "profile.json"))
+    assert loaded.seconds == model.seconds and "re-run `angelspec-hf profile`" in caplog.text
+
+
+def test_profile_target_measures_the_grid(targets):
+    model = profile_target(targets.target("llama"), "tiny", tokens=(1, 4), contexts=(8, 32), repeats=2)
+    assert len(model.seconds) == 2 and all(len(row) == 2 and all(v > 0 for v in row) for row in model.seconds)
+
+
+def test_calibration_learns_that_confident_drafts_fail():
+    calibrator = Calibrator()
+    assert calibrator(0.95) == pytest.approx(0.95)
+    for _ in range(200):
+        calibrator.update(0.95, False)
+    assert calibrator(0.95) < 0.05 and calibrator(0.35) == pytest.approx(0.35)
+
+
+def test_policy_stops_drafting_when_it_does_not_pay_and_explores():
+    policy = DCutPolicy(linear_cost(0.1, 0.05), explore_every=4)
+    assert policy.should_draft()
+    for _ in range(10):
+        policy.observe([0.9, 0.9], accepted=0, draft_seconds=0.1, context=50)
+    decisions = [policy.should_draft() for _ in range(8)]
+    assert decisions == [False, False, False, True] * 2
+    for _ in range(30):
+        policy.observe([0.9, 0.9, 0.9], accepted=3, draft_seconds=0.01, context=50)
+    assert policy.should_draft()
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly-hybrid-corr", "dfly-global-nocorr"])
+@pytest.mark.parametrize("per_token", [0.002, 0.5])
+def test_generate_with_dcut_stays_identical_and_follows_the_cost(targets, kind, per_token):
+    target = targets.target("llama")
+    drafter = targets.fitted("llama", kind)
+    # Seconds per verification far above the tiny drafter's own cost, so only the curve decides.
+    policy = drafter.draft_policy = DCutPolicy(linear_cost(1.0, per_token), explore_every=8)
+    try:
+        drafted = []
+        for row in targets.sequences("llama")[:4]:
+            prompt = row[None, :PROMPT_LENGTH]
+            plain = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None)
+            fast = target.generate(prompt, assistant_model=drafter, max_new_tokens=30, do_sample=False, eos_token_id=None)
+            assert torch.equal(plain, fast)
+            drafted += drafter.last_speculation_stats.drafted
+    finally:
+        del drafter.draft_policy
+    if per_token == 0.002:  # verifying more is nearly free: long drafts once calibrated
+        assert sum(drafted) / len(drafted) >= 0.5 * drafter.max_draft_tokens, drafted
+    else:  # a verified token costs half a step: only exploration rounds keep long drafts
+        assert sum(d > 2 for d in drafted) <= policy.decisions // policy.explore_every + 1, drafted
+
+
+def test_fixed_length_policy_keeps_everything(targets):
+    target, drafter = targets.target("llama"), targets.fitted("llama", "dfly-layerwise-corr")
+    prompt = targets.sequences("llama")[:1, :PROMPT_LENGTH]
+    drafter.draft_policy = FixedLengthPolicy()
+    try:
+        target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False, eos_token_id=None)
+        with_policy = drafter.last_speculation_stats.as_dict()
+    finally:
+        del drafter.draft_policy
+    target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert drafter.last_speculation_stats.as_dict() == with_policy
