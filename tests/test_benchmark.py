@@ -3,27 +3,31 @@
 import json
 
 from angelspec_hf.benchmark import AR, PROMPT_LOOKUP, format_table, run_benchmark, summarise, write_chart, write_report
+from angelspec_hf.generation import CostModel
 from fitting import tiny_tokenizer
+
+COST = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 512], seconds=[[1.0, 1.0], [1.4, 1.4]])
 
 
 def test_benchmark_reports_every_method_and_domain(targets, tmp_path):
     target = targets.target("llama")
     drafters = {"mtp": targets.fitted("llama", "mtp"), "dfly": targets.fitted("llama", "dfly-hybrid-corr")}
-    runs = run_benchmark(target, tiny_tokenizer(), drafters, ["code", "math"], per_set=1, max_new_tokens=12)
-    assert len(runs) == 4 * 3  # (AR, lookup, 2 drafters) x (humaneval, mbpp, gsm8k)
+    runs = run_benchmark(target, tiny_tokenizer(), drafters, ["code", "math"], per_set=1, max_new_tokens=12,
+                         cost_model=COST)
+    assert len(runs) == 6 * 3  # (AR, lookup, 2 drafters with and without D-cut) x (humaneval, mbpp, gsm8k)
     rows = summarise(runs)
-    assert {(r["method"], r["domain"]) for r in rows} == {
-        (m, d) for m in (AR, PROMPT_LOOKUP, "mtp", "dfly") for d in ("code", "math")
-    }
+    methods = (AR, PROMPT_LOOKUP, "mtp", "mtp + D-cut", "dfly", "dfly + D-cut")
+    assert {(r["method"], r["domain"]) for r in rows} == {(m, d) for m in methods for d in ("code", "math")}
+    assert not any(hasattr(d, "draft_policy") for d in drafters.values()), "D-cut is installed per run only"
     assert all(row["lossless"] for row in rows)
     ar_rows = [r for r in rows if r["method"] == AR]
     assert all(abs(r["speedup"] - 1.0) < 1e-9 and r["tau"] is None for r in ar_rows)
-    assert all(r["tau"] is not None and r["tau"] >= 1.0 for r in rows if r["method"] in ("mtp", "dfly"))
+    assert all(r["tau"] is not None and r["tau"] >= 1.0 for r in rows if r["method"] in methods[2:])
     table = format_table(rows)
     assert "prompt lookup" in table and "NO" not in table
     write_report(runs, rows, tmp_path / "bench.json", {"batch_size": 1})
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["summary"] == rows and len(report["runs"]) == 12
+    assert report["summary"] == rows and len(report["runs"]) == 18
     assert write_chart(rows, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 

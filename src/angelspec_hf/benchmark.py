@@ -33,6 +33,7 @@ class Method:
     name: str
     generate_kwargs: dict = field(default_factory=dict)
     drafter: object = None
+    policy: object = None  # installed as drafter.draft_policy for this method's runs only
 
 
 @dataclass
@@ -50,15 +51,21 @@ class Run:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-def methods_for(drafters: dict[str, object], prompt_lookup_tokens: int = 8) -> list[Method]:
+def methods_for(drafters: dict[str, object], cost_model=None, prompt_lookup_tokens: int = 8) -> list[Method]:
+    """AR, prompt lookup, each drafter at its fixed length and, given a cost model, with D-cut."""
+    from .generation import DCutPolicy
+
     methods = [Method(AR), Method(PROMPT_LOOKUP, {"prompt_lookup_num_tokens": prompt_lookup_tokens})]
-    methods += [Method(name, {"assistant_model": drafter}, drafter) for name, drafter in drafters.items()]
+    for name, drafter in drafters.items():
+        methods.append(Method(name, {"assistant_model": drafter}, drafter))
+        if cost_model is not None:
+            methods.append(Method(f"{name} + D-cut", {"assistant_model": drafter}, drafter, DCutPolicy(cost_model)))
     return methods
 
 
 def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
-                  max_new_tokens: int) -> list[Run]:
-    methods = methods_for(drafters)
+                  max_new_tokens: int, cost_model=None) -> list[Run]:
+    methods = methods_for(drafters, cost_model)
     prompts = [(domain, index, prompt) for domain in domains
                for index, prompt in enumerate(domain_prompts(domain, "eval", per_set))]
     runs: list[Run] = []
@@ -69,9 +76,16 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
             inputs = chat_inputs(tokenizer, prompt)
             reference = None
             for method in methods:
+                if method.policy is not None:
+                    method.drafter.draft_policy = method.policy
                 start = time.perf_counter()
-                out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **method.generate_kwargs)
-                seconds = time.perf_counter() - start
+                try:
+                    out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                          **method.generate_kwargs)
+                finally:
+                    seconds = time.perf_counter() - start
+                    if method.policy is not None:
+                        del method.drafter.draft_policy
                 if reference is None:
                     reference = out
                 stats = getattr(method.drafter, "last_speculation_stats", None)

@@ -48,17 +48,38 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     per_set, max_new_tokens = (2, 64) if args.quick else (args.per_set, args.max_new_tokens)
+    from .generation import load_or_profile
+
     target, tokenizer = load_target(args.target)
     drafters = bench_drafters(target, Path(args.modeling_dir), args.drafter)
-    runs = run_benchmark(target, tokenizer, drafters, args.domains, per_set, max_new_tokens)
+    cost_model = None if args.no_dcut else load_or_profile(target, target_display_name(args.target))
+    runs = run_benchmark(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, cost_model)
     rows = summarise(runs)
     print(format_table(rows))
     report = Path(args.report)
-    write_report(runs, rows, report, {"target": args.target if args.target != "reference" else REFERENCE_TARGET_ID,
-                                      "per_set": per_set, "max_new_tokens": max_new_tokens, "batch_size": 1})
+    write_report(runs, rows, report, {"target": target_display_name(args.target), "per_set": per_set,
+                                      "max_new_tokens": max_new_tokens, "batch_size": 1})
     chart = report.with_suffix(".png")
     print(f"report written to {report}" + (f", chart to {chart}" if write_chart(rows, chart) else ""))
     return 0 if all(row["lossless"] for row in rows) else 1
+
+
+def target_display_name(name: str) -> str:
+    return REFERENCE_TARGET_ID if name == "reference" else name
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from .generation import load_or_profile
+    from .generation.cost_model import profile_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, _ = load_target(args.target)
+    model = load_or_profile(target, target_display_name(args.target), refresh=True)
+    for tokens, row in zip(model.tokens, model.seconds):
+        print(f"{tokens:3d} new tokens: " + "  ".join(f"ctx {c}: {s * 1000:7.1f} ms" for c, s in zip(model.contexts, row)))
+    print(f"profile written to {profile_path(model.target)}")
+    return 0
 
 
 def load_target(name: str):
@@ -139,7 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--drafter", action="append", default=[], help="another drafter directory (repeatable)")
     bench.add_argument("--report", default="reports/bench.json")
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bench.add_argument("--no-dcut", action="store_true", help="skip the D-cut rows (and the cost profile)")
     bench.set_defaults(handler=run_bench)
+
+    profile = commands.add_parser("profile", help="measure the target's forward cost on this hardware for D-cut")
+    profile.add_argument("--target", default="reference")
+    profile.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    profile.set_defaults(handler=run_profile)
 
     rollouts = commands.add_parser("rollouts", help="greedy target responses to the training split of prompt sets")
     rollouts.add_argument("--target", default="reference")

@@ -64,6 +64,25 @@ class CostModel:
         return model
 
 
+def profile_path(target_name: str) -> Path:
+    """Where `load_or_profile` keeps the profile of a target on this hardware."""
+    from ..reference import cache_home
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{target_name}--{hardware_id()}")
+    return cache_home() / "profiles" / f"{safe}.json"
+
+
+def load_or_profile(target, target_name: str, refresh: bool = False) -> CostModel:
+    """The saved profile of this target on this hardware, measuring it first if there is none."""
+    path = profile_path(target_name)
+    if path.exists() and not refresh:
+        return CostModel.load(path)
+    model = profile_target(target, target_name)
+    model.save(path)
+    logger.info("Saved the cost profile to %s", path)
+    return model
+
+
 def _interpolate_1d(xs: list[int], x: float) -> tuple[int, int, float]:
     if x <= xs[0]:
         return 0, 0, 0.0
