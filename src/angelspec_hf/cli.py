@@ -82,6 +82,14 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_push(args: argparse.Namespace) -> int:
+    from .hub import push_drafter
+
+    info = push_drafter(args.directory, args.repo_id, private=args.private, create_pr=args.create_pr)
+    print(f"pushed {args.directory} to {args.repo_id}: {getattr(info, 'commit_url', info)}")
+    return 0
+
+
 def load_target(name: str):
     """``reference`` (the bundled SmolLM2-135M-Instruct) or a local directory / cached Hub id."""
     if name == "reference":
@@ -162,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench.add_argument("--no-dcut", action="store_true", help="skip the D-cut rows (and the cost profile)")
     bench.set_defaults(handler=run_bench)
+
+    push = commands.add_parser("push", help="upload a saved drafter with its model card to the Hub")
+    push.add_argument("directory")
+    push.add_argument("repo_id")
+    push.add_argument("--private", action="store_true", default=None)
+    push.add_argument("--create-pr", action="store_true")
+    push.set_defaults(handler=run_push)
 
     profile = commands.add_parser("profile", help="measure the target's forward cost on this hardware for D-cut")
     profile.add_argument("--target", default="reference")

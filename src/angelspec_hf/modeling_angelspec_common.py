@@ -426,6 +426,19 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
             )
         return (model, info) if want_info else model
 
+    def push_to_hub(self, repo_id: str, private: bool | None = None, create_pr: bool = False, **kwargs):
+        """Upload weights, config, remote code and a generated model card (a card you wrote is kept).
+
+        With the ``angelspec_hf`` package installed the card lists the target, tags and measured
+        numbers; without it (remote code only) this is ``PreTrainedModel.push_to_hub``.
+        """
+        try:
+            from angelspec_hf.hub import push_drafter
+        except ImportError:
+            return super().push_to_hub(repo_id, private=private, create_pr=create_pr, **kwargs)
+        return push_drafter(self, repo_id, private=private, create_pr=create_pr, api=kwargs.pop("api", None),
+                            token=kwargs.pop("token", None), commit_message=kwargs.pop("commit_message", "Upload AngelSpec drafter"))
+
     # -- binding -------------------------------------------------------------------------
 
     @classmethod

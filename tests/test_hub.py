@@ -1,0 +1,136 @@
+"""Hub features, offline: a fake of the API object records what would be sent; pulling reads a
+populated cache in the Hub's layout with HF_HUB_OFFLINE=1."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from angelspec_hf import DFlyDrafter, MTPDrafter
+from angelspec_hf.hub import GENERATED_MARKER, find_drafters, model_card, write_model_card
+
+
+class FakeHubApi:
+    """Records create_repo/create_commit calls and the files they carry; lists canned models."""
+
+    def __init__(self, models=()):
+        self.calls, self.files, self.models = [], {}, list(models)
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        return f"https://hub.invalid/{repo_id}"
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        self.calls.append(("create_commit", repo_id, kwargs))
+        for op in operations:
+            with open(op.path_or_fileobj, "rb") as handle:
+                self.files[op.path_in_repo] = handle.read()
+        return SimpleNamespace(commit_url=f"https://hub.invalid/{repo_id}/commit/1")
+
+    def list_models(self, filter=None, limit=None, cardData=False):
+        self.calls.append(("list_models", filter, {"cardData": cardData}))
+        return iter(self.models)
+
+
+def front_matter(card: str) -> dict:
+    return yaml.safe_load(card.split("---")[1])
+
+
+def test_model_card_has_base_model_tags_and_results(targets):
+    drafter = DFlyDrafter.from_target(targets.target("llama"), conditioning="global", hidden_correction=False)
+    card = model_card(drafter.config, {"code": {"tau": 2.5, "speedup": 1.7, "prompts": 20, "lossless": True}},
+                      {"name": "dflash-code"}, "org/tiny-DFlash")
+    meta = front_matter(card)
+    assert meta["base_model"] == "tiny-llama-seed0" and meta["library_name"] == "transformers"
+    assert meta["tags"] == ["speculative-decoding", "angelspec", "dfly", "dflash"]
+    assert meta["angelspec_results"]["code"]["tau"] == 2.5
+    assert "| code | 20 | 2.50 | 1.70x | yes |" in card and '"name": "dflash-code"' in card
+    assert "trust_remote_code=True" in card and GENERATED_MARKER in card
+
+
+def test_push_uploads_weights_config_code_and_card(targets):
+    api = FakeHubApi()
+    drafter = MTPDrafter.from_target(targets.target("llama"))
+    info = drafter.push_to_hub("org/tiny-mtp", private=True, create_pr=True, api=api)
+    assert info.commit_url.endswith("/commit/1")
+    assert [call[0] for call in api.calls] == ["create_repo", "create_commit"]
+    assert api.calls[0][2]["private"] is True and api.calls[1][2]["create_pr"] is True
+    assert {"config.json", "model.safetensors", "modeling_angelspec_mtp.py", "modeling_angelspec_common.py",
+            "configuration_angelspec_mtp.py", "errors.py", "README.md"} <= set(api.files)
+    meta = front_matter(api.files["README.md"].decode())
+    assert meta["tags"] == ["speculative-decoding", "angelspec", "mtp"]
+
+
+def test_a_user_written_card_is_kept(targets, tmp_path):
+    drafter = DFlyDrafter.from_target(targets.target("llama"))
+    drafter.save_pretrained(tmp_path)
+    (tmp_path / "README.md").write_text("# My own card\n")
+    assert not write_model_card(tmp_path)
+    api = FakeHubApi()
+    from angelspec_hf.hub import push_drafter
+
+    push_drafter(tmp_path, "org/mine", api=api)
+    assert api.files["README.md"] == b"# My own card\n"
+    # A generated card is refreshed, e.g. with measured numbers.
+    (tmp_path / "README.md").unlink()
+    assert write_model_card(tmp_path, results={"math": {"tau": 1.9}})
+    assert front_matter((tmp_path / "README.md").read_text())["angelspec_results"]["math"]["tau"] == 1.9
+
+
+def test_push_of_a_directory_that_is_not_a_drafter(tmp_path):
+    from angelspec_hf.hub import push_drafter
+
+    with pytest.raises(FileNotFoundError, match="save_pretrained"):
+        push_drafter(tmp_path, "org/nothing", api=FakeHubApi())
+
+
+def test_find_drafters_ranks_by_reported_tau():
+    def model(repo, base, tau=None):
+        card = {"base_model": base, "tags": ["speculative-decoding"]}
+        if tau is not None:
+            card["angelspec_results"] = {"code": {"tau": tau}, "math": {"tau": tau - 0.5}}
+        return SimpleNamespace(id=repo, tags=["speculative-decoding"], card_data=card)
+
+    api = FakeHubApi([model("a/slow", "T", 1.4), model("b/unknown", "T"), model("c/fast", "T", 2.9),
+                      model("d/other-target", "U", 9.0)])
+    found = find_drafters("T", api=api)
+    assert [entry["repo_id"] for entry in found] == ["c/fast", "a/slow", "b/unknown"]
+    assert found[0]["best_tau"] == 2.9 and found[2]["best_tau"] is None
+    assert api.calls[0][1] == ["base_model:T", "speculative-decoding"]
+
+
+PULL = textwrap.dedent(
+    """
+    import json, sys
+    import angelspec_hf
+    from transformers import AutoModel
+    from angelspec_hf import DFlyDrafter
+    repo, revision = sys.argv[1], sys.argv[2]
+    drafter = AutoModel.from_pretrained(repo, revision=revision)
+    direct = DFlyDrafter.from_pretrained(repo, revision=revision)
+    print(json.dumps({"type": type(drafter).__name__, "block_size": drafter.config.block_size,
+                      "direct": type(direct).__name__}))
+    """
+)
+
+
+def test_pull_from_a_populated_hub_cache_offline(targets, tmp_path):
+    """The Hub cache layout (models--org--name/{refs,snapshots}) read with HF_HUB_OFFLINE=1."""
+    drafter = DFlyDrafter.from_target(targets.target("llama"), block_size=5)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hub" / "models--org--tiny-dfly"
+    drafter.save_pretrained(repo_dir / "snapshots" / commit)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")}
+    for revision in ("main", commit):
+        result = subprocess.run([sys.executable, "-c", PULL, "org/tiny-dfly", revision], capture_output=True,
+                                text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        assert report == {"type": "DFlyDrafter", "block_size": 5, "direct": "DFlyDrafter"}
