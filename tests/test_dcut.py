@@ -114,3 +114,17 @@ def test_fixed_length_policy_keeps_everything(targets):
         del drafter.draft_policy
     target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert drafter.last_speculation_stats.as_dict() == with_policy
+
+
+def test_worth_extending_matches_the_brute_force_optimum():
+    """Stopping where extending no longer pays never stops before the optimum of the full draft."""
+    from angelspec_hf.generation.dcut import worth_extending
+
+    model = linear_cost(0.1, 0.03)
+    verify = lambda n: model.verify_seconds(n, 100)  # noqa: E731
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(100):
+        confidences = sorted(torch.rand(7, generator=generator).tolist(), reverse=True)
+        survival = torch.tensor(confidences).cumprod(0).tolist()
+        stop = next((j for j in range(1, 8) if not worth_extending(survival[:j], verify)), 7)
+        assert stop >= brute_force(confidences, verify)

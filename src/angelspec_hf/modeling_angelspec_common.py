@@ -352,6 +352,14 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             token = logits.argmax(dim=-1, keepdim=True)
         return logits, token
 
+    def keep_drafting(self, logits: list[torch.Tensor], tokens: list[torch.Tensor], context: int) -> bool:
+        """Sequential drafters ask after each token whether the draft policy wants another one."""
+        policy = getattr(self.drafter, "draft_policy", None)
+        if policy is None or not hasattr(policy, "keep_drafting"):
+            return True
+        confidences = [float(l.softmax(dim=-1).gather(-1, t)[0, 0]) for l, t in zip(logits, tokens)]
+        return policy.keep_drafting(confidences, context)
+
     def ingest(self, input_ids: torch.LongTensor, features: list[torch.Tensor]) -> None:
         raise NotImplementedError
 

@@ -61,10 +61,25 @@ def best_cut(confidences: list[float], verify_seconds, draft_seconds: float = 0.
     return max(range(len(rates)), key=rates.__getitem__)
 
 
+def worth_extending(survival: list[float], verify_seconds) -> bool:
+    """Could one more position raise the best tokens-per-second rate of this prefix?
+
+    A further position survives at most as often as the last one (``s_{j+1} <= s_j``), so adding
+    it helps only if ``s_j / (verify(j + 2) - verify(j + 1))`` beats the best rate so far.
+    """
+    k = len(survival)
+    rates = [expected_tokens(survival, j) / verify_seconds(j + 1) for j in range(k + 1)]
+    extra = verify_seconds(k + 2) - verify_seconds(k + 1)
+    return extra <= 0 or (survival[-1] if survival else 1.0) / extra > max(rates)
+
+
 class FixedLengthPolicy:
     """Always keeps the full draft: the comparison point for D-cut."""
 
     def should_draft(self) -> bool:
+        return True
+
+    def keep_drafting(self, confidences: list[float], context: int) -> bool:
         return True
 
     def choose(self, confidences: list[float], context: int) -> int:
@@ -98,6 +113,16 @@ class DCutPolicy:
             self.skipped = 0
             return True
         return False
+
+    def keep_drafting(self, confidences: list[float], context: int) -> bool:
+        """Asked after each drafted token, so that sequential drafters stop early (exploration rounds never do)."""
+        if (self.decisions + 1) % self.explore_every == 0:
+            return True
+        survival, running = [], 1.0
+        for confidence in confidences:
+            running *= self.calibrator(confidence)
+            survival.append(running)
+        return worth_extending(survival, self.verify(context))
 
     def choose(self, confidences: list[float], context: int) -> int:
         self.decisions += 1
