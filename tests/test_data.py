@@ -49,3 +49,14 @@ def test_rollouts_are_resumable_without_duplicates(targets, tmp_path):
     assert all(0 < len(row["response_ids"]) <= 12 for row in batched_rows.values())
     sequences = rollout_sequences([out], seq_len=64)
     assert all(seq["loss_start"] == len(chat_prefix_ids(tokenizer, row["prompt"])) for seq, row in zip(sequences, rows))
+
+
+def test_magpie_prompts_come_from_the_empty_user_header(targets):
+    from angelspec_hf.training.data import synthesize_chat_prompts, user_turn_prefix_ids
+
+    tokenizer = tiny_tokenizer()
+    assert user_turn_prefix_ids(tokenizer) == [3]  # the tiny template's user header is "w3 "
+    prompts = synthesize_chat_prompts(targets.target("llama"), tokenizer, count=5, batch_size=8, max_new_tokens=40,
+                                      min_chars=3)
+    assert len(prompts) == 5 and len(set(prompts)) == 5
+    assert all(prompt.strip() == prompt and "</s>" not in prompt for prompt in prompts)

@@ -104,6 +104,15 @@ def run_rollouts(args: argparse.Namespace) -> int:
     from .training.data import generate_rollouts
 
     target, tokenizer = load_target(args.target)
+    if args.magpie:
+        from .training.data import synthesize_chat_prompts
+
+        synthetic = Path(args.output_dir) / "magpie-prompts.jsonl"
+        prompts = synthesize_chat_prompts(target, tokenizer, args.magpie, batch_size=args.batch_size)
+        synthetic.parent.mkdir(parents=True, exist_ok=True)
+        synthetic.write_text("".join(json.dumps({"prompt": p, "domain": "chat"}) + "\n" for p in prompts))
+        generate_rollouts(target, tokenizer, prompts, Path(args.output_dir) / "magpie-train.jsonl",
+                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, domain="chat")
     for name in args.prompts:
         domain = PROMPT_SETS.get(name, Path(name).stem)
         out = Path(args.output_dir) / f"{Path(name).stem}-train.jsonl"
@@ -190,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--output-dir", default="data/rollouts/SmolLM2-135M-Instruct")
     rollouts.add_argument("--max-new-tokens", type=int, default=192)
     rollouts.add_argument("--batch-size", type=int, default=16)
+    rollouts.add_argument("--magpie", type=int, default=0,
+                          help="also synthesise this many chat prompts from the target (Magpie-style) and answer them")
     rollouts.set_defaults(handler=run_rollouts)
 
     from .training.recipes import RECIPES, Recipe

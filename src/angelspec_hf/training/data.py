@@ -86,6 +86,52 @@ def rollout_sequences(files: list[Path], seq_len: int) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------- synthetic chat prompts
+
+_SENTINEL = "\u2063angelspec-user-turn\u2063"
+
+
+def user_turn_prefix_ids(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user's message starts (the empty user header)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+    if _SENTINEL not in text:
+        raise ValueError("the tokenizer's chat template does not show the user's message verbatim")
+    return tokenizer.encode(text[: text.index(_SENTINEL)], add_special_tokens=False)
+
+
+def synthesize_chat_prompts(
+    target, tokenizer, count: int, batch_size: int = 16, max_new_tokens: int = 64, seed: int = 0,
+    min_chars: int = 12, max_rounds: int = 50,
+) -> list[str]:
+    """Magpie-style prompts: the target samples a user turn from its own empty user header.
+
+    Every row shares the same header, so batches need no padding. Duplicates, near-empty turns
+    and turns cut off by the length limit are dropped.
+    """
+    prefix = torch.tensor([user_turn_prefix_ids(tokenizer)])
+    eos = tokenizer.eos_token_id
+    generator_seed = seed
+    prompts: dict[str, None] = {}
+    with tqdm(total=count, desc="synthesising chat prompts", unit="prompt") as bar:
+        for _ in range(max_rounds):
+            if len(prompts) >= count:
+                break
+            torch.manual_seed(generator_seed)
+            generator_seed += 1
+            batch = prefix.repeat(batch_size, 1)
+            with torch.no_grad():
+                out = target.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0,
+                                      top_p=0.95, max_new_tokens=max_new_tokens, pad_token_id=eos)
+            for row in out[:, prefix.shape[1]:].tolist():
+                if eos not in row:
+                    continue  # cut off: not a complete user turn
+                text = tokenizer.decode(row[: row.index(eos)], skip_special_tokens=True).strip()
+                if len(text) >= min_chars and text not in prompts and len(prompts) < count:
+                    prompts[text] = None
+                    bar.update(1)
+    return list(prompts)
+
+
 # --------------------------------------------------------------------------- offline text
 
 
