@@ -241,6 +241,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.last_draft_length = 0
         self.last_draft_seconds = 0.0
         self.last_confidences: list[float] | None = None  # set in rounds a draft policy decided
+        self.policy = getattr(drafter, "draft_policy", None)  # fixed for one generate call
+        self.confidences: list[float] = []  # draft probability of each token drafted this round
         self.key_padding: torch.Tensor | None = None  # (1, committed) bool, None while all are real tokens
         self.stats = SpeculationStats()
         drafter.last_speculation_stats = self.stats
@@ -279,17 +281,17 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         # An optional draft policy (D-cut, duck-typed so remote code needs nothing of ours) may
         # skip drafting or keep only a prefix; the choice uses draft-side information only, so
         # greedy output stays identical and sampling keeps the target distribution.
-        policy = getattr(self.drafter, "draft_policy", None)
+        policy = self.policy
         if budget < 1 or (policy is not None and not policy.should_draft()):
             return input_ids, None
         start = time.perf_counter()
+        self.confidences = []
         with torch.no_grad():
             tokens, logits = self.draft(input_ids, budget)
         self.last_draft_seconds = time.perf_counter() - start
         if policy is not None:
-            confidences = logits.softmax(dim=-1).gather(-1, tokens.to(logits.device)[..., None])[0, :, 0].tolist()
-            keep = policy.choose(confidences, input_ids.shape[1])
-            self.last_confidences = confidences[:keep]
+            keep = policy.choose(self.confidences, input_ids.shape[1])
+            self.last_confidences = self.confidences[:keep]
             tokens, logits = tokens[:, :keep], logits[:, :keep]
             if keep == 0:
                 return input_ids, None
@@ -303,7 +305,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.stats.drafted.append(self.last_draft_length)
         self.stats.accepted.append(int(num_matches))
         if self.last_confidences is not None:
-            self.drafter.draft_policy.observe(self.last_confidences, int(num_matches), self.last_draft_seconds,
+            self.policy.observe(self.last_confidences, int(num_matches), self.last_draft_seconds,
                                               input_ids.shape[1])
 
     def _extend_key_padding(self, model_kwargs: dict[str, Any] | None, num_new: int) -> None:
@@ -346,19 +348,20 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         logits = logits.float()
         if self.logits_processor is not None:
             logits = self.logits_processor(ids, logits)
+        probabilities = logits.softmax(dim=-1) if self.do_sample or self.policy is not None else None
         if self.do_sample:
-            token = torch.multinomial(logits.softmax(dim=-1), num_samples=1)
+            token = torch.multinomial(probabilities, num_samples=1)
         else:
             token = logits.argmax(dim=-1, keepdim=True)
+        if self.policy is not None:
+            self.confidences.append(float(probabilities.gather(-1, token)[0, 0]))
         return logits, token
 
-    def keep_drafting(self, logits: list[torch.Tensor], tokens: list[torch.Tensor], context: int) -> bool:
+    def keep_drafting(self, context: int) -> bool:
         """Sequential drafters ask after each token whether the draft policy wants another one."""
-        policy = getattr(self.drafter, "draft_policy", None)
-        if policy is None or not hasattr(policy, "keep_drafting"):
+        if self.policy is None or not hasattr(self.policy, "keep_drafting"):
             return True
-        confidences = [float(l.softmax(dim=-1).gather(-1, t)[0, 0]) for l, t in zip(logits, tokens)]
-        return policy.keep_drafting(confidences, context)
+        return self.policy.keep_drafting(self.confidences, context)
 
     def ingest(self, input_ids: torch.LongTensor, features: list[torch.Tensor]) -> None:
         raise NotImplementedError

@@ -213,7 +213,7 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
             all_logits.append(logits)
             ids = torch.cat([ids, token], dim=-1)
             previous = token
-            if logits_all is None and not self.keep_drafting(all_logits, tokens, input_ids.shape[1]):
+            if logits_all is None and not self.keep_drafting(input_ids.shape[1]):
                 break
         return torch.cat(tokens, dim=-1), torch.stack(all_logits, dim=1)
 

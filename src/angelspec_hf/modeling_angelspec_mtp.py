@@ -210,7 +210,7 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
             all_logits.append(logits)
             ids = torch.cat([ids, token], dim=-1)
             position += 1
-            if not self.keep_drafting(all_logits, tokens, input_ids.shape[1]):
+            if not self.keep_drafting(input_ids.shape[1]):
                 break
         return torch.cat(tokens, dim=-1), torch.stack(all_logits, dim=1)
 
