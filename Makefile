@@ -17,6 +17,9 @@ $(STAMP): setup.cfg pyproject.toml
 	# torch is pinned and installed first so pip takes the local CPU wheel, never a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev,train,bench]"
+	# The z-lab DFlash package, only as a peer for the format tests; its pinned dependencies
+	# (an older transformers among them) are not needed for loading and dflash_generate.
+	$(BIN)/pip install --quiet --no-deps dflash==0.1.0
 	touch $(STAMP)
 
 bench: $(STAMP)

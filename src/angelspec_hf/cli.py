@@ -90,6 +90,17 @@ def run_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_convert(args: argparse.Namespace) -> int:
+    from .interop import export_dflash, load_dflash
+
+    if args.to == "dflash":
+        export_dflash(AutoModel.from_pretrained(args.source), args.destination)
+    else:
+        load_dflash(args.source).save_pretrained(args.destination)
+    print(f"converted {args.source} to {args.to} format in {args.destination}")
+    return 0
+
+
 def load_target(name: str):
     """``reference`` (the bundled SmolLM2-135M-Instruct) or a local directory / cached Hub id."""
     if name == "reference":
@@ -186,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--private", action="store_true", default=None)
     push.add_argument("--create-pr", action="store_true")
     push.set_defaults(handler=run_push)
+
+    convert = commands.add_parser("convert", help="write a drafter in another project's format, or read one")
+    convert.add_argument("--to", required=True, choices=["dflash", "angelspec-hf"],
+                         help="dflash: z-lab DFlashDraftModel (DFlash-mode drafters); angelspec-hf: read a DFlash checkpoint")
+    convert.add_argument("source")
+    convert.add_argument("destination")
+    convert.set_defaults(handler=run_convert)
 
     profile = commands.add_parser("profile", help="measure the target's forward cost on this hardware for D-cut")
     profile.add_argument("--target", default="reference")

@@ -1,0 +1,133 @@
+"""The z-lab DFlash format (``DFlashDraftModel``, as served by vLLM and SGLang).
+
+Only the DFlash special case of DFly maps onto it (``conditioning="global"``, no correction
+head): the format has no place for DFly's per-layer mix or its correction head. Its config is a
+Qwen3 config with ``block_size`` and a ``dflash_config`` holding ``mask_token_id`` and
+``target_layer_ids`` (older checkpoints keep them top-level; both are read). Its weights are ours
+under other names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..configuration_angelspec_dfly import DFlyDrafterConfig
+from ..errors import DrafterCheckpointError, DrafterConfigError
+from ..modeling_angelspec_dfly import DFlyDrafter
+
+# Our weight name -> z-lab name; "{i}" is the draft layer.
+TOP_LEVEL = {"context_proj.weight": "fc.weight", "context_norm.weight": "hidden_norm.weight", "final_norm.weight": "norm.weight"}
+PER_LAYER = {
+    "input_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    **{f"{name}.weight": f"self_attn.{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
+    **{f"mlp.{name}.weight": f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")},
+}
+
+
+def _name_map(num_layers: int) -> dict[str, str]:
+    names = dict(TOP_LEVEL)
+    for i in range(num_layers):
+        names.update({f"layers.{i}.{ours}": f"layers.{i}.{theirs}" for ours, theirs in PER_LAYER.items()})
+    return names
+
+
+def dflash_config_dict(config: DFlyDrafterConfig) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": config.block_size,
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "layer_types": ["full_attention"] * config.num_hidden_layers,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": config.num_attention_heads,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_key_value_heads": config.num_key_value_heads,
+        "num_target_layers": config.num_target_layers,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": config.vocab_size,
+        # Ours, ignored by other readers: lets load_dflash restore the target check.
+        "angelspec_target": {"name_or_path": config.target_name_or_path,
+                             "embedding_fingerprint": config.target_embedding_fingerprint},
+    }
+
+
+def export_dflash(drafter: DFlyDrafter, out_dir: str | Path) -> Path:
+    """Write a DFlash-mode drafter as a z-lab ``DFlashDraftModel`` checkpoint (config + safetensors)."""
+    config = drafter.config
+    if getattr(config, "variant", None) != "dflash":
+        raise DrafterConfigError(
+            f"Only DFlash-mode drafters (conditioning='global', hidden_correction=False) map to the DFlash "
+            f"format; this one is {getattr(config, 'variant', config.model_type)!r}. Fix: train or convert a "
+            "dflash-code recipe drafter, or keep the angelspec format."
+        )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = _name_map(config.num_hidden_layers)
+    state = {names[key]: value.detach().contiguous().cpu() for key, value in drafter.state_dict().items()}
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(dflash_config_dict(config), indent=2))
+    return out_dir
+
+
+def _field(config: dict, name: str):
+    nested = config.get("dflash_config") or {}
+    value = nested.get(name, config.get(name))
+    if value is None:
+        raise DrafterCheckpointError(f"The DFlash config has no {name!r} (looked in dflash_config and top level).")
+    return value
+
+
+def dflash_drafter_config(raw: dict) -> DFlyDrafterConfig:
+    """Our config for a z-lab DFlash config dict."""
+    rope = raw.get("rope_parameters") or {}
+    target = raw.get("angelspec_target") or {}
+    return DFlyDrafterConfig(
+        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        num_target_layers=raw["num_target_layers"], target_layer_ids=list(_field(raw, "target_layer_ids")),
+        block_size=int(_field(raw, "block_size")) if "block_size" in raw or "block_size" in (raw.get("dflash_config") or {}) else 16,
+        mask_token_id=int(_field(raw, "mask_token_id")), conditioning="global", hidden_correction=False,
+        target_name_or_path=target.get("name_or_path"), target_embedding_fingerprint=target.get("embedding_fingerprint"),
+    )
+
+
+def load_dflash(path: str | Path, dtype: torch.dtype | None = None) -> DFlyDrafter:
+    """A z-lab DFlash checkpoint directory as a `DFlyDrafter` in DFlash mode (strict: every tensor mapped)."""
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    config = dflash_drafter_config(raw)
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise DrafterCheckpointError(f"No .safetensors weights in {path}. Fix: download the checkpoint's weight files.")
+    theirs = {}
+    for file in weights:
+        theirs.update(load_file(file))
+    inverse = {v: k for k, v in _name_map(config.num_hidden_layers).items()}
+    unknown = sorted(set(theirs) - set(inverse))
+    missing = sorted(set(inverse) - set(theirs))
+    if unknown or missing:
+        raise DrafterCheckpointError(
+            f"{path} is not a plain DFlash checkpoint: unexpected {unknown[:6]}, missing {missing[:6]}. "
+            "(DFlash2 checkpoints with candidate selectors or convolutions are not supported.)"
+        )
+    drafter = DFlyDrafter(config)
+    drafter.load_state_dict({inverse[name]: tensor for name, tensor in theirs.items()}, strict=True)
+    return drafter.to(dtype) if dtype is not None else drafter

@@ -1,0 +1,96 @@
+"""The z-lab DFlash format: round trip, the published config, and the real `dflash` package as peer."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from angelspec_hf import DFlyDrafter
+from angelspec_hf.errors import DrafterCheckpointError, DrafterConfigError
+from angelspec_hf.interop import export_dflash, load_dflash
+from angelspec_hf.interop.dflash import dflash_drafter_config
+from conftest import PROMPT_LENGTH
+
+FORMATS = Path(__file__).resolve().parents[2] / "shared" / "data" / "formats"
+
+
+def test_export_then_load_is_the_same_drafter(targets, tmp_path):
+    target, drafter = targets.target("llama"), targets.fitted("llama", "dfly-global-nocorr")
+    export_dflash(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"] == {"mask_token_id": drafter.config.mask_token_id,
+                                       "target_layer_ids": drafter.config.target_layer_ids}
+    loaded = load_dflash(tmp_path).eval()
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key])
+    prompt = targets.sequences("llama")[:1, :PROMPT_LENGTH]
+    a = target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    stats = drafter.last_speculation_stats.as_dict()
+    b = target.generate(prompt, assistant_model=loaded, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert torch.equal(a, b) and loaded.last_speculation_stats.as_dict() == stats
+
+
+def test_dfly_with_its_own_parts_is_refused(targets, tmp_path):
+    with pytest.raises(DrafterConfigError, match="Only DFlash-mode"):
+        export_dflash(targets.fitted("llama", "dfly-hybrid-corr"), tmp_path)
+
+
+def test_published_dflash_configs_are_read():
+    for name in ("specforge_qwen3-8b-dflash.json", "specforge_qwen2.5-0.5b-dflash.json"):
+        path = FORMATS / name
+        if not path.exists():
+            pytest.skip(f"shared format examples not present ({path})")
+        raw = json.loads(path.read_text())
+        config = dflash_drafter_config(raw)
+        assert config.variant == "dflash"
+        assert config.target_layer_ids == (raw.get("dflash_config") or raw)["target_layer_ids"]
+        assert config.num_hidden_layers == raw["num_hidden_layers"] and config.block_size == raw["block_size"]
+
+
+def test_a_dflash2_checkpoint_is_refused_clearly(targets, tmp_path):
+    export_dflash(targets.fitted("llama", "dfly-global-nocorr"), tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["candidate_selector.hidden_projection.weight"] = torch.zeros(2, 2)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(DrafterCheckpointError, match="not a plain DFlash checkpoint"):
+        load_dflash(tmp_path)
+
+
+def test_the_dflash_package_loads_our_export_strictly_and_drafts_the_same(targets, tmp_path, monkeypatch):
+    dflash_model = pytest.importorskip("dflash.model")
+    import time
+
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)  # its stats timer assumes CUDA
+    target, drafter = targets.target("llama"), targets.fitted("llama", "dfly-global-nocorr")
+    export_dflash(drafter, tmp_path)
+    peer, info = dflash_model.DFlashDraftModel.from_pretrained(tmp_path, output_loading_info=True, dtype=torch.float32)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    peer.eval()
+    for row in targets.sequences("llama")[:4]:
+        prompt = row[None, :PROMPT_LENGTH]
+        ours = target.generate(prompt, assistant_model=drafter, max_new_tokens=30, do_sample=False, eos_token_id=None)
+        with torch.no_grad():
+            theirs = dflash_model.dflash_generate(peer, target, prompt, max_new_tokens=30, stop_token_ids=None,
+                                                  return_stats=True)
+        assert torch.equal(theirs.output_ids, ours)
+        our_rounds = [a + 1 for a in drafter.last_speculation_stats.accepted]
+        # Same weights, same drafts: the same tokens per round. Only the last rounds may differ,
+        # where the two loops size the final draft to the length limit differently.
+        assert len(our_rounds) > 3 and theirs.acceptance_lengths[:-2] == our_rounds[: len(theirs.acceptance_lengths) - 2]
+
+
+def test_convert_command_both_ways(targets, tmp_path):
+    from angelspec_hf.cli import main
+
+    targets.fitted("llama", "dfly-global-nocorr").save_pretrained(tmp_path / "ours")
+    assert main(["convert", "--to", "dflash", str(tmp_path / "ours"), str(tmp_path / "zlab")]) == 0
+    assert main(["convert", "--to", "angelspec-hf", str(tmp_path / "zlab"), str(tmp_path / "back")]) == 0
+    back = DFlyDrafter.from_pretrained(tmp_path / "back")
+    original = DFlyDrafter.from_pretrained(tmp_path / "ours")
+    for key, value in original.state_dict().items():
+        assert torch.equal(value, back.state_dict()[key])
+    assert back.config.target_embedding_fingerprint == original.config.target_embedding_fingerprint
