@@ -118,7 +118,8 @@ def run_rollouts(args: argparse.Namespace) -> int:
     if args.magpie:
         from .training.data import synthesize_chat_prompts
 
-        synthetic = Path(args.output_dir) / "magpie-prompts.jsonl"
+        # Kept beside, not inside, the rollout folder: its rows are prompts, not rollouts.
+        synthetic = Path(args.output_dir).parent / "prompts" / f"{Path(args.output_dir).name}-magpie.jsonl"
         prompts = synthesize_chat_prompts(target, tokenizer, args.magpie, batch_size=args.batch_size)
         synthetic.parent.mkdir(parents=True, exist_ok=True)
         synthetic.write_text("".join(json.dumps({"prompt": p, "domain": "chat"}) + "\n" for p in prompts))

@@ -80,6 +80,8 @@ def rollout_sequences(files: list[Path], seq_len: int) -> list[dict]:
             if not line.strip():
                 continue
             record = json.loads(line)
+            if "response_ids" not in record:
+                raise ValueError(f"{path} holds rows without response_ids: it is not a rollout file.")
             ids = (record["prompt_ids"] + record["response_ids"])[:seq_len]
             if len(ids) - len(record["prompt_ids"]) >= 8:
                 rows.append({"input_ids": ids, "loss_start": len(record["prompt_ids"]), "domain": record.get("domain", "")})
