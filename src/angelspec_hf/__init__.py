@@ -24,6 +24,7 @@ from .modeling_angelspec_common import (
 )
 from .modeling_angelspec_dfly import DFlyDrafter
 from .modeling_angelspec_mtp import MTPDrafter
+from .generation import SpeculativeEngine  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,7 @@ __all__ = [
     "MTPDrafter",
     "MTPDrafterConfig",
     "SpeculationStats",
+    "SpeculativeEngine",
     "embedding_fingerprint",
     "errors",
     "install_generate_integration",

@@ -1,7 +1,17 @@
 """Inference-side policies that only the library needs (the candidate generators themselves live in
-the modeling files so that they ship as remote code): the hardware cost model and D-cut."""
+the modeling files so that they ship as remote code): the hardware cost model, D-cut and the
+batched engine."""
 
 from .cost_model import CostModel, load_or_profile, profile_target
 from .dcut import DCutPolicy, FixedLengthPolicy
+from .engine import EngineRequestError, SpeculativeEngine
 
-__all__ = ["CostModel", "DCutPolicy", "FixedLengthPolicy", "load_or_profile", "profile_target"]
+__all__ = [
+    "CostModel",
+    "DCutPolicy",
+    "EngineRequestError",
+    "FixedLengthPolicy",
+    "SpeculativeEngine",
+    "load_or_profile",
+    "profile_target",
+]

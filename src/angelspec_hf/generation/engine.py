@@ -1,0 +1,235 @@
+"""A batched speculative engine: many requests at once, each accepting its own number of tokens.
+
+All rows share one KV cache with the same physical length. Every forward appends a window of
+slots to every row: the row's pending token and its drafts, left-aligned, the rest padding.
+Slots that turn out rejected (or were padding) stay in the cache but are masked out of
+attention for good, and positions are passed explicitly, so each row sees exactly its own
+committed tokens at their true positions. Requests join when a slot is free (their prompt is
+prefilled separately and its cache merged in) and leave when they finish.
+
+Drafting reuses the drafters' own candidate generators, one per row, fed with that row's slice
+of the verify forward's hidden states. Greedy decoding only: each row's output is what plain
+greedy decoding of that row gives (up to the floating-point differences any batched forward
+has, which can flip a near-tie).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
+
+from ..errors import AngelSpecError, UnsupportedCacheError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRequestError(AngelSpecError, ValueError):
+    """One request could not be served (empty or too long prompt, bad ids); the others were."""
+
+
+@dataclass
+class _Row:
+    index: int
+    tokens: list[int]
+    prompt_length: int
+    max_new_tokens: int
+    generator: object | None = None
+    outputs: object | None = None  # this row's slice of the last forward's hidden states
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+
+def _pad_left(tensor: torch.Tensor, length: int, dim: int, value=0) -> torch.Tensor:
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_full(shape, value), tensor], dim=dim)
+
+
+class SpeculativeEngine:
+    """Serve many prompts at once with a target and an optional drafter (``None``: plain batched AR).
+
+    >>> engine = SpeculativeEngine(target, drafter, max_batch_size=16)
+    >>> outputs = engine.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=128)
+    """
+
+    def __init__(self, target, drafter=None, max_batch_size: int = 16):
+        if drafter is not None:
+            drafter.check_target(target)
+        self.target, self.drafter, self.max_batch_size = target.eval(), drafter, max_batch_size
+        text = target.config.get_text_config()
+        self.max_positions = getattr(text, "max_position_embeddings", None)
+        self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
+
+    # -- public ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
+                 do_sample: bool = False) -> list[list[int] | EngineRequestError]:
+        """Greedy continuation of every prompt; a request that cannot be served gets its error instead."""
+        if do_sample:
+            raise NotImplementedError(
+                "SpeculativeEngine decodes greedily for now; for sampling call target.generate per request."
+            )
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        results: list = [None] * len(prompts)
+        waiting = []
+        for index, prompt in enumerate(prompts):
+            error = self._validate(prompt, max_new_tokens)
+            if error is not None:
+                results[index] = error
+            else:
+                waiting.append(_Row(index, list(map(int, prompt)), len(prompt), max_new_tokens))
+        self.stats = []
+        rows: list[_Row] = []
+        cache, valid = None, None
+        while waiting or rows:
+            joining = []
+            while waiting and len(rows) + len(joining) < self.max_batch_size:
+                joining.append(waiting.pop(0))
+            if joining:
+                cache, valid = self._join(rows, cache, valid, joining, eos)
+                rows += joining
+            cache, valid = self._step(rows, cache, valid, eos)
+            finished = [i for i, row in enumerate(rows) if self._finished(row, eos)]
+            for i in finished:
+                row = rows[i]
+                results[row.index] = row.tokens
+                self.stats.append({"index": row.index, "rounds": len(row.accepted), "accepted": row.accepted})
+            if finished:
+                keep = [i for i in range(len(rows)) if i not in finished]
+                rows = [rows[i] for i in keep]
+                if rows:
+                    cache.batch_select_indices(torch.tensor(keep, device=valid.device))
+                    valid = valid[keep]
+                else:
+                    cache, valid = None, None
+        return results
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _validate(self, prompt, max_new_tokens) -> EngineRequestError | None:
+        vocab = self.target.config.get_text_config().vocab_size
+        if len(prompt) == 0:
+            return EngineRequestError("Empty prompt: give at least one token id.")
+        if any(not 0 <= int(t) < vocab for t in prompt):
+            return EngineRequestError(f"Prompt has token ids outside the vocabulary 0..{vocab - 1}.")
+        if self.max_positions and len(prompt) + max_new_tokens > self.max_positions:
+            return EngineRequestError(
+                f"Prompt of {len(prompt)} tokens plus {max_new_tokens} new ones exceeds the target's "
+                f"{self.max_positions} positions: shorten the prompt or lower max_new_tokens."
+            )
+        return None
+
+    def _finished(self, row: _Row, eos: set[int]) -> bool:
+        return row.new_tokens >= row.max_new_tokens or (row.new_tokens > 0 and row.tokens[-1] in eos)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        wanted = [i + 1 for i in self.layer_ids] if self.layer_ids else None
+        return self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=cache, use_cache=True, output_hidden_states=wanted)
+
+    def _row_outputs(self, out, row: int):
+        if not self.layer_ids:
+            return None
+        return SimpleNamespace(hidden_states=tuple(h[row : row + 1] if h is not None else None for h in out.hidden_states))
+
+    def _join(self, rows, cache, valid, joining, eos):
+        """Prefill the joining prompts in their own cache, take their first token, merge the caches."""
+        width = max(row.prompt_length for row in joining)
+        device = self.target.device
+        ids = torch.zeros(len(joining), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(joining), width, dtype=torch.long, device=device)
+        for i, row in enumerate(joining):
+            ids[i, : row.prompt_length] = torch.tensor(row.tokens, device=device)
+            mask[i, : row.prompt_length] = 1
+        positions = torch.arange(width, device=device)[None].expand(len(joining), -1)
+        new_cache = DynamicCache(config=self.target.config)
+        out = self._forward(ids, mask, positions, new_cache)
+        for i, row in enumerate(joining):
+            row.tokens.append(int(out.logits[i, row.prompt_length - 1].argmax()))
+            if self.drafter is not None:
+                row.generator = self._new_generator(row)
+                row.generator.get_candidates(torch.tensor([row.tokens[:-1]]), is_first_iteration=True)
+                row.generator.update_candidate_strategy(None, None, 0)  # the prefill round
+                row.outputs = self._row_outputs(out, i)
+        new_valid = mask.bool()
+        if cache is None:
+            return new_cache, new_valid
+        return self._merge(cache, valid, new_cache, new_valid)
+
+    def _merge(self, cache, valid, new_cache, new_valid):
+        length = max(valid.shape[1], new_valid.shape[1])
+        for layer, new_layer in zip(cache.layers, new_cache.layers):
+            if type(layer) is not DynamicLayer or type(new_layer) is not DynamicLayer:
+                raise UnsupportedCacheError(
+                    f"SpeculativeEngine needs full-attention cache layers, got {type(layer).__name__}: "
+                    "models with sliding-window layers are not supported by the engine yet."
+                )
+            layer.keys = torch.cat([_pad_left(layer.keys, length, 2), _pad_left(new_layer.keys, length, 2)])
+            layer.values = torch.cat([_pad_left(layer.values, length, 2), _pad_left(new_layer.values, length, 2)])
+        merged = torch.cat([_pad_left(valid, length, 1, False), _pad_left(new_valid, length, 1, False)])
+        return cache, merged
+
+    def _new_generator(self, row: _Row):
+        config = GenerationConfig(max_length=row.prompt_length + row.max_new_tokens, do_sample=False)
+        return self.drafter.get_candidate_generator(target=self.target, generation_config=config, logits_processor=None)
+
+    def _step(self, rows, cache, valid, eos):
+        """One verify forward for every active row: draft, verify, accept, mask the rejected slots."""
+        active = [not self._finished(row, eos) for row in rows]
+        drafts = []
+        for row, is_active in zip(rows, active):
+            if not is_active or row.generator is None:
+                drafts.append([])
+                continue
+            ids = torch.tensor([row.tokens], device=self.target.device)
+            candidates, _ = row.generator.get_candidates(ids, model_outputs=row.outputs, is_first_iteration=False,
+                                                         n_last_matches=row.accepted[-1] if row.accepted else 0)
+            drafts.append(candidates[0, len(row.tokens):].tolist())
+        width = 1 + max(len(d) for d in drafts)
+        device = self.target.device
+        batch = len(rows)
+        ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+        window_valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
+        positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+        for i, (row, draft) in enumerate(zip(rows, drafts)):
+            window = [row.tokens[-1]] + draft
+            ids[i, : len(window)] = torch.tensor(window, device=device)
+            window_valid[i, : len(window)] = active[i]
+            positions[i] = len(row.tokens) - 1 + torch.arange(width, device=device)
+        mask = torch.cat([valid, window_valid], dim=1).long()
+        out = self._forward(ids, mask, positions, cache)
+        predictions = out.logits.argmax(-1)
+        kept = torch.zeros_like(window_valid)
+        for i, (row, draft) in enumerate(zip(rows, drafts)):
+            if not active[i]:
+                continue
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == int(predictions[i, accepted]):
+                accepted += 1
+            new = draft[:accepted] + [int(predictions[i, accepted])]
+            budget = row.max_new_tokens - row.new_tokens
+            new = new[:budget]
+            for j, token in enumerate(new):
+                if token in eos:
+                    new = new[: j + 1]
+                    break
+            row.tokens += new
+            # The pending token and the accepted drafts are now committed; the rest is masked for good.
+            kept[i, : len(new)] = True
+            if row.generator is not None:
+                row.accepted.append(len(new) - 1)
+                row.generator.update_candidate_strategy(None, None, len(new) - 1)
+                row.outputs = self._row_outputs(out, i)
+        return cache, torch.cat([valid, kept], dim=1)

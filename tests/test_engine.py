@@ -1,0 +1,81 @@
+"""The batched engine: every row equals its own plain greedy generate, rows join and leave."""
+
+import pytest
+import torch
+
+from angelspec_hf import DFlyDrafter, MTPDrafter
+from angelspec_hf.errors import DrafterTargetMismatchError
+from angelspec_hf.generation.engine import EngineRequestError, SpeculativeEngine
+from angelspec_hf.reference import tiny_target
+from fitting import fit_dfly, fit_mtp, target_sequences
+
+PROMPT = 6
+
+
+@pytest.fixture(scope="module")
+def setup():
+    # A sharpened random target: batched and unbatched forwards differ in the last float bits,
+    # which must not decide between near-tied tokens in a test about bookkeeping.
+    target = tiny_target("llama", seed=0)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    target.requires_grad_(False)
+    sequences = target_sequences(target, 12, PROMPT, 40, seed=1)
+    torch.manual_seed(0)
+    drafters = {
+        "dfly": fit_dfly(DFlyDrafter.from_target(target, block_size=5), target, sequences, PROMPT, steps=200),
+        "mtp": fit_mtp(MTPDrafter.from_target(target, num_draft_tokens=3), target, sequences, PROMPT, steps=200),
+    }
+    generator = torch.Generator().manual_seed(4)
+    prompts = [sequences[i, :PROMPT].tolist() for i in range(5)]
+    prompts += [torch.randint(3, 96, (n,), generator=generator).tolist() for n in (3, 9, 14)]
+    return target, drafters, prompts
+
+
+def plain(target, prompt, **kwargs):
+    return target.generate(torch.tensor([prompt]), do_sample=False, **kwargs)[0].tolist()
+
+
+@pytest.mark.parametrize("name", [None, "dfly", "mtp"])
+@pytest.mark.parametrize("max_batch_size", [1, 3, 16])
+def test_every_row_equals_its_plain_generate(setup, name, max_batch_size):
+    target, drafters, prompts = setup
+    engine = SpeculativeEngine(target, drafters.get(name), max_batch_size=max_batch_size)
+    outputs = engine.generate(prompts, max_new_tokens=25)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
+    if name is not None:
+        accepted = [a for entry in engine.stats for a in entry["accepted"]]
+        assert max(accepted) >= 3 and sum(accepted) > len(accepted) // 2, "drafts must really be accepted"
+        assert 0 in accepted, "and rejected"
+
+
+def test_rows_stop_at_their_own_eos_and_length(setup):
+    target, drafters, prompts = setup
+    free = [plain(target, p, max_new_tokens=20, eos_token_id=None) for p in prompts]
+    eos = free[0][PROMPT + 7]
+    engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=4)
+    outputs = engine.generate(prompts, max_new_tokens=20, eos_token_id=eos)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
+    assert len(outputs[0]) < len(free[0]) and outputs[0][-1] == eos
+
+
+def test_a_bad_request_fails_alone(setup):
+    target, drafters, prompts = setup
+    engine = SpeculativeEngine(target, drafters["mtp"], max_batch_size=2)
+    batch = [prompts[0], [], [5, 10_000], prompts[1], list(range(3, 90)) * 6]
+    outputs = engine.generate(batch, max_new_tokens=10)
+    assert outputs[0] == plain(target, prompts[0], max_new_tokens=10, eos_token_id=None)
+    assert outputs[3] == plain(target, prompts[1], max_new_tokens=10, eos_token_id=None)
+    assert isinstance(outputs[1], EngineRequestError) and "Empty prompt" in str(outputs[1])
+    assert isinstance(outputs[2], EngineRequestError) and "outside the vocabulary" in str(outputs[2])
+    assert isinstance(outputs[4], EngineRequestError) and "exceeds the target's 512 positions" in str(outputs[4])
+
+
+def test_engine_refuses_a_foreign_drafter_and_sampling(setup):
+    target, drafters, _ = setup
+    with pytest.raises(DrafterTargetMismatchError):
+        SpeculativeEngine(tiny_target("llama", seed=5), drafters["dfly"])
+    with pytest.raises(NotImplementedError, match="greedily"):
+        SpeculativeEngine(target).generate([[5, 6]], do_sample=True)
