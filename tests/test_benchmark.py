@@ -39,3 +39,23 @@ def test_a_lossy_method_is_flagged(targets):
     rows = summarise(runs)
     assert [r["lossless"] for r in rows] == [True, False]
     assert "NO" in format_table(rows)
+
+
+def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets):
+    from angelspec_hf.benchmark import format_concurrency_table, run_concurrency
+
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    drafters = {"dfly": targets.fitted("llama", "dfly-hybrid-corr")}
+    references: dict = {}
+    run_benchmark(target, tokenizer, drafters, ["math"], per_set=2, max_new_tokens=10, references=references)
+    rows = run_concurrency(target, tokenizer, drafters, ["math"], per_set=2, max_new_tokens=10, levels=[1, 2],
+                           references=references)
+    assert [(r["method"], r["concurrency"]) for r in rows] == [(AR, 1), ("dfly", 1), (AR, 2), ("dfly", 2)]
+    assert rows[0]["speedup"] == 1.0 and rows[0]["tau"] is None and rows[1]["tau"] >= 1.0
+    assert "conc" in format_concurrency_table(rows)
+    assert all(r["lossless"] for r in rows)
+    # A wrong reference is reported as lossy.
+    references[("math", 0)] = [0]
+    broken = run_concurrency(target, tokenizer, {}, ["math"], per_set=2, max_new_tokens=10, levels=[2],
+                             references=references)
+    assert broken[0]["lossless"] is False

@@ -63,11 +63,15 @@ def methods_for(drafters: dict[str, object], cost_model=None, prompt_lookup_toke
     return methods
 
 
+def benchmark_prompts(domains: list[str], per_set: int) -> list[tuple[str, int, str]]:
+    return [(domain, index, prompt) for domain in domains for index, prompt in enumerate(domain_prompts(domain, "eval", per_set))]
+
+
 def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
-                  max_new_tokens: int, cost_model=None) -> list[Run]:
+                  max_new_tokens: int, cost_model=None, references: dict | None = None) -> list[Run]:
+    """Batch-1 runs; ``references`` (if given) receives each prompt's plain greedy output ids."""
     methods = methods_for(drafters, cost_model)
-    prompts = [(domain, index, prompt) for domain in domains
-               for index, prompt in enumerate(domain_prompts(domain, "eval", per_set))]
+    prompts = benchmark_prompts(domains, per_set)
     runs: list[Run] = []
     with torch.no_grad():
         inputs = chat_inputs(tokenizer, prompts[0][2])
@@ -88,10 +92,54 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
                         del method.drafter.draft_policy
                 if reference is None:
                     reference = out
+                    if references is not None:
+                        references[(domain, index)] = out[0].tolist()
                 stats = getattr(method.drafter, "last_speculation_stats", None)
                 runs.append(Run(method.name, domain, index, out.shape[1] - inputs["input_ids"].shape[1], seconds,
                                 torch.equal(out, reference), stats.tau if stats is not None else None))
     return runs
+
+
+def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
+                    max_new_tokens: int, levels: list[int], references: dict) -> list[dict]:
+    """All prompts through the batched engine at each concurrency: throughput and losslessness.
+
+    Speedups are against the engine's own plain batched decoding at the same concurrency.
+    """
+    from .generation import SpeculativeEngine
+
+    prompts = benchmark_prompts(domains, per_set)
+    ids = [chat_inputs(tokenizer, prompt)["input_ids"][0].tolist() for _, _, prompt in prompts]
+    eos = tokenizer.eos_token_id
+    rows = []
+    for level in levels:
+        baseline = None
+        for name, drafter in [(AR, None), *drafters.items()]:
+            engine = SpeculativeEngine(target, drafter, max_batch_size=level)
+            start = time.perf_counter()
+            outputs = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+            seconds = time.perf_counter() - start
+            new_tokens = sum(len(out) - len(prompt) for out, prompt in zip(outputs, ids))
+            rate = new_tokens / seconds
+            baseline = rate if baseline is None else baseline
+            accepted = [a for entry in engine.stats for a in entry["accepted"]]
+            rows.append({
+                "method": name, "concurrency": level, "prompts": len(ids), "tokens_per_s": rate,
+                "speedup": rate / baseline, "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
+                "lossless": all(out == references.get((d, i)) for out, (d, i, _) in zip(outputs, prompts)),
+            })
+            logger.info("concurrency %d, %s: %.1f tokens/s", level, name, rate)
+    return rows
+
+
+def format_concurrency_table(rows: list[dict]) -> str:
+    header = f"{'method':34} {'conc':>4} {'tau':>5} {'tok/s':>7} {'vs AR':>7} {'lossless':>8}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
+        lines.append(f"{row['method'][:34]:34} {row['concurrency']:>4} {tau:>5} {row['tokens_per_s']:7.1f} "
+                     f"{row['speedup']:6.2f}x {'yes' if row['lossless'] else 'NO':>8}")
+    return "\n".join(lines)
 
 
 def summarise(runs: list[Run]) -> list[dict]:
@@ -155,7 +203,7 @@ def write_chart(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def write_report(runs: list[Run], rows: list[dict], path: Path, settings: dict) -> None:
+def write_report(runs: list[Run], rows: list[dict], path: Path, settings: dict, concurrency: list[dict] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         **settings,
@@ -163,6 +211,7 @@ def write_report(runs: list[Run], rows: list[dict], path: Path, settings: dict) 
         "torch": torch.__version__,
         "machine": platform.machine(),
         "summary": rows,
+        "concurrency": concurrency or [],
         "runs": [{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in runs],
     }
     path.write_text(json.dumps(report, indent=2))

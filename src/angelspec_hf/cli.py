@@ -43,7 +43,15 @@ def bench_drafters(target: PreTrainedModel, modeling_dir: Path, extra: list[str]
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .benchmark import format_table, run_benchmark, summarise, write_chart, write_report
+    from .benchmark import (
+        format_concurrency_table,
+        format_table,
+        run_benchmark,
+        run_concurrency,
+        summarise,
+        write_chart,
+        write_report,
+    )
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -53,15 +61,21 @@ def run_bench(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target)
     drafters = bench_drafters(target, Path(args.modeling_dir), args.drafter)
     cost_model = None if args.no_dcut else load_or_profile(target, target_display_name(args.target))
-    runs = run_benchmark(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, cost_model)
+    references: dict = {}
+    runs = run_benchmark(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, cost_model, references)
     rows = summarise(runs)
     print(format_table(rows))
+    levels = [] if args.quick else args.concurrency
+    concurrency = run_concurrency(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, levels, references)
+    if concurrency:
+        print()
+        print(format_concurrency_table(concurrency))
     report = Path(args.report)
     write_report(runs, rows, report, {"target": target_display_name(args.target), "per_set": per_set,
-                                      "max_new_tokens": max_new_tokens, "batch_size": 1})
+                                      "max_new_tokens": max_new_tokens}, concurrency)
     chart = report.with_suffix(".png")
     print(f"report written to {report}" + (f", chart to {chart}" if write_chart(rows, chart) else ""))
-    return 0 if all(row["lossless"] for row in rows) else 1
+    return 0 if all(row["lossless"] for row in rows + concurrency) else 1
 
 
 def target_display_name(name: str) -> str:
@@ -190,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--report", default="reports/bench.json")
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench.add_argument("--no-dcut", action="store_true", help="skip the D-cut rows (and the cost profile)")
+    bench.add_argument("--concurrency", type=int, nargs="*", default=[4, 16],
+                       help="engine concurrency levels to measure (none with --quick)")
     bench.set_defaults(handler=run_bench)
 
     push = commands.add_parser("push", help="upload a saved drafter with its model card to the Hub")

@@ -475,7 +475,8 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
         if input_ids.shape[0] != 1:
             raise BatchSizeNotSupportedError(
                 f"target.generate(assistant_model=drafter) runs one sequence at a time, got a batch of "
-                f"{input_ids.shape[0]}. Fix: call generate once per prompt (without padding)."
+                f"{input_ids.shape[0]}. Fix: call generate once per prompt, or serve batches with "
+                "angelspec_hf.SpeculativeEngine."
             )
         if not model_kwargs.get("use_cache", True) or generation_config.use_cache is False:
             raise UnsupportedCacheError(
