@@ -42,7 +42,7 @@ def test_a_lossy_method_is_flagged(targets):
 
 
 def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets):
-    from angelspec_hf.benchmark import format_concurrency_table, run_concurrency
+    from angelspec_hf.benchmark import run_concurrency
 
     target, tokenizer = targets.target("llama"), tiny_tokenizer()
     drafters = {"dfly": targets.fitted("llama", "dfly-hybrid-corr")}
@@ -52,7 +52,7 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets):
                            references=references)
     assert [(r["method"], r["concurrency"]) for r in rows] == [(AR, 1), ("dfly", 1), (AR, 2), ("dfly", 2)]
     assert rows[0]["speedup"] == 1.0 and rows[0]["tau"] is None and rows[1]["tau"] >= 1.0
-    assert "conc" in format_concurrency_table(rows)
+    assert "concur" in format_table(rows, group="concurrency")
     assert all(r["lossless"] for r in rows)
     # A wrong reference is reported as lossy.
     references[("math", 0)] = [0]

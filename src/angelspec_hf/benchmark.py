@@ -132,16 +132,6 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
     return rows
 
 
-def format_concurrency_table(rows: list[dict]) -> str:
-    header = f"{'method':34} {'conc':>4} {'tau':>5} {'tok/s':>7} {'vs AR':>7} {'lossless':>8}"
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
-        lines.append(f"{row['method'][:34]:34} {row['concurrency']:>4} {tau:>5} {row['tokens_per_s']:7.1f} "
-                     f"{row['speedup']:6.2f}x {'yes' if row['lossless'] else 'NO':>8}")
-    return "\n".join(lines)
-
-
 def summarise(runs: list[Run]) -> list[dict]:
     """One row per (method, domain): medians over prompts, speedups against AR on the same prompt."""
     ar = {(r.domain, r.prompt_index): r for r in runs if r.method == AR}
@@ -164,12 +154,13 @@ def summarise(runs: list[Run]) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    header = f"{'method':34} {'domain':6} {'n':>3} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'lossless':>8}"
+def format_table(rows: list[dict], group: str = "domain") -> str:
+    """Terminal table of summary rows grouped by ``domain`` (batch 1) or ``concurrency`` (engine)."""
+    header = f"{'method':34} {group[:6]:>6} {'n':>3} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'lossless':>8}"
     lines = [header, "-" * len(header)]
     for row in rows:
         tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
-        lines.append(f"{row['method'][:34]:34} {row['domain']:6} {row['prompts']:>3} {tau:>5} "
+        lines.append(f"{row['method'][:34]:34} {str(row[group]):>6} {row['prompts']:>3} {tau:>5} "
                      f"{row['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {'yes' if row['lossless'] else 'NO':>8}")
     return "\n".join(lines)
 

@@ -44,7 +44,6 @@ def bench_drafters(target: PreTrainedModel, modeling_dir: Path, extra: list[str]
 
 def run_bench(args: argparse.Namespace) -> int:
     from .benchmark import (
-        format_concurrency_table,
         format_table,
         run_benchmark,
         run_concurrency,
@@ -69,7 +68,7 @@ def run_bench(args: argparse.Namespace) -> int:
     concurrency = run_concurrency(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, levels, references)
     if concurrency:
         print()
-        print(format_concurrency_table(concurrency))
+        print(format_table(concurrency, group="concurrency"))
     report = Path(args.report)
     write_report(runs, rows, report, {"target": target_display_name(args.target), "per_set": per_set,
                                       "max_new_tokens": max_new_tokens}, concurrency)
