@@ -73,9 +73,30 @@ def test_a_bad_request_fails_alone(setup):
     assert isinstance(outputs[4], EngineRequestError) and "exceeds the target's 512 positions" in str(outputs[4])
 
 
-def test_engine_refuses_a_foreign_drafter_and_sampling(setup):
+def test_engine_refuses_a_foreign_drafter_and_a_bad_temperature(setup):
     target, drafters, _ = setup
     with pytest.raises(DrafterTargetMismatchError):
         SpeculativeEngine(tiny_target("llama", seed=5), drafters["dfly"])
-    with pytest.raises(NotImplementedError, match="greedily"):
-        SpeculativeEngine(target).generate([[5, 6]], do_sample=True)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        SpeculativeEngine(target).generate([[5, 6]], do_sample=True, temperature=0.0)
+
+
+@pytest.mark.parametrize("name", ["dfly", "mtp"])
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.7, "top_k": 6}], ids=["t1", "t0.7-top6"])
+def test_engine_sampling_matches_plain_sampling(name, settings):
+    """Chi-square homogeneity per position, p > 1e-3 with fixed seeds, as in test_sampling."""
+    from test_sampling import NEW_TOKENS, PROMPT as SAMPLING_PROMPT, SAMPLES, drafters, min_p_value, plain_samples
+
+    target = tiny_target("llama", vocab_size=10, hidden_size=32, num_hidden_layers=4, seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(10.0)
+    drafter = drafters(target)[name]
+    reference = plain_samples(target, seed=1, **settings)
+    torch.manual_seed(2)
+    engine = SpeculativeEngine(target, drafter, max_batch_size=16)
+    outputs = engine.generate([SAMPLING_PROMPT[0].tolist()] * SAMPLES, max_new_tokens=NEW_TOKENS, do_sample=True,
+                              **settings)
+    samples = torch.tensor([out[SAMPLING_PROMPT.shape[1]:] for out in outputs])
+    accepted = sum(sum(entry["accepted"]) for entry in engine.stats)
+    assert accepted > SAMPLES // 4
+    assert min_p_value(reference, samples) > 1e-3

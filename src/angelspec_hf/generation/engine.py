@@ -8,9 +8,12 @@ committed tokens at their true positions. Requests join when a slot is free (the
 prefilled separately and its cache merged in) and leave when they finish.
 
 Drafting reuses the drafters' own candidate generators, one per row, fed with that row's slice
-of the verify forward's hidden states. Greedy decoding only: each row's output is what plain
-greedy decoding of that row gives (up to the floating-point differences any batched forward
-has, which can flip a near-tie).
+of the verify forward's hidden states. Greedy: each row's output is what plain greedy decoding of
+that row gives (up to the floating-point differences any batched forward has, which can flip a
+near-tie). Sampling: each row runs the speculative-sampling acceptance rule on its own drafts
+(accept with probability min(1, p/q), resample from max(p - q, 0) at the first rejection), with
+temperature/top-k/top-p applied to draft and target alike, so every row samples from the
+target's distribution.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import AngelSpecError, UnsupportedCacheError
 
@@ -40,6 +44,7 @@ class _Row:
     max_new_tokens: int
     generator: object | None = None
     outputs: object | None = None  # this row's slice of the last forward's hidden states
+    draft_logits: torch.Tensor | None = None  # processed draft logits of the current round (sampling)
     accepted: list[int] = field(default_factory=list)
 
     @property
@@ -75,12 +80,11 @@ class SpeculativeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
-                 do_sample: bool = False) -> list[list[int] | EngineRequestError]:
-        """Greedy continuation of every prompt; a request that cannot be served gets its error instead."""
-        if do_sample:
-            raise NotImplementedError(
-                "SpeculativeEngine decodes greedily for now; for sampling call target.generate per request."
-            )
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None) -> list[list[int] | EngineRequestError]:
+        """Continue every prompt (greedy, or sampled); a request that cannot be served gets its error instead."""
+        self.do_sample = do_sample
+        self.processors = self._processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         results: list = [None] * len(prompts)
         waiting = []
@@ -117,6 +121,45 @@ class SpeculativeEngine:
         return results
 
     # -- internals --------------------------------------------------------------------------
+
+    @staticmethod
+    def _processors(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
+        if temperature <= 0:
+            raise ValueError("temperature must be > 0 when sampling; use do_sample=False for greedy decoding.")
+        processors = LogitsProcessorList()
+        if temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            processors.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+        return processors
+
+    def _choose(self, ids: list[int], logits: torch.Tensor) -> int:
+        """The target's token from one position's raw logits: argmax, or a sample of the processed ones."""
+        if not self.do_sample:
+            return int(logits.argmax())
+        processed = self.processors(torch.tensor([ids], device=logits.device), logits[None].float())
+        return int(torch.multinomial(processed.softmax(-1), 1))
+
+    def _accept(self, row: _Row, draft: list[int], logits: torch.Tensor) -> list[int]:
+        """Tokens a row gains from its window's target logits: accepted drafts plus one target token."""
+        if not self.do_sample:
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == int(logits[accepted].argmax()):
+                accepted += 1
+            return draft[:accepted] + [int(logits[accepted].argmax())]
+        ids = list(row.tokens)
+        for j, token in enumerate(draft):
+            p = self.processors(torch.tensor([ids], device=logits.device), logits[j][None].float()).softmax(-1)[0]
+            q = row.draft_logits[0, j].float().softmax(-1).to(p.device)
+            if torch.rand(()) > min(1.0, float(p[token] / q[token])):
+                residual = (p - q).clamp_min(0)
+                if float(residual.sum()) <= 0:
+                    residual = p
+                return draft[:j] + [int(torch.multinomial(residual / residual.sum(), 1))]
+            ids.append(token)
+        return draft + [self._choose(ids, logits[len(draft)])]
 
     def _validate(self, prompt, max_new_tokens) -> EngineRequestError | None:
         vocab = self.target.config.get_text_config().vocab_size
@@ -157,7 +200,7 @@ class SpeculativeEngine:
         new_cache = DynamicCache(config=self.target.config)
         out = self._forward(ids, mask, positions, new_cache)
         for i, row in enumerate(joining):
-            row.tokens.append(int(out.logits[i, row.prompt_length - 1].argmax()))
+            row.tokens.append(self._choose(row.tokens, out.logits[i, row.prompt_length - 1]))
             if self.drafter is not None:
                 row.generator = self._new_generator(row)
                 row.generator.get_candidates(torch.tensor([row.tokens[:-1]]), is_first_iteration=True)
@@ -182,8 +225,9 @@ class SpeculativeEngine:
         return cache, merged
 
     def _new_generator(self, row: _Row):
-        config = GenerationConfig(max_length=row.prompt_length + row.max_new_tokens, do_sample=False)
-        return self.drafter.get_candidate_generator(target=self.target, generation_config=config, logits_processor=None)
+        config = GenerationConfig(max_length=row.prompt_length + row.max_new_tokens, do_sample=self.do_sample)
+        return self.drafter.get_candidate_generator(target=self.target, generation_config=config,
+                                                    logits_processor=self.processors)
 
     def _step(self, rows, cache, valid, eos):
         """One verify forward for every active row: draft, verify, accept, mask the rejected slots."""
@@ -194,8 +238,9 @@ class SpeculativeEngine:
                 drafts.append([])
                 continue
             ids = torch.tensor([row.tokens], device=self.target.device)
-            candidates, _ = row.generator.get_candidates(ids, model_outputs=row.outputs, is_first_iteration=False,
-                                                         n_last_matches=row.accepted[-1] if row.accepted else 0)
+            candidates, row.draft_logits = row.generator.get_candidates(
+                ids, model_outputs=row.outputs, is_first_iteration=False,
+                n_last_matches=row.accepted[-1] if row.accepted else 0)
             drafts.append(candidates[0, len(row.tokens):].tolist())
         width = 1 + max(len(d) for d in drafts)
         device = self.target.device
@@ -210,15 +255,11 @@ class SpeculativeEngine:
             positions[i] = len(row.tokens) - 1 + torch.arange(width, device=device)
         mask = torch.cat([valid, window_valid], dim=1).long()
         out = self._forward(ids, mask, positions, cache)
-        predictions = out.logits.argmax(-1)
         kept = torch.zeros_like(window_valid)
         for i, (row, draft) in enumerate(zip(rows, drafts)):
             if not active[i]:
                 continue
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == int(predictions[i, accepted]):
-                accepted += 1
-            new = draft[:accepted] + [int(predictions[i, accepted])]
+            new = self._accept(row, draft, out.logits[i])
             budget = row.max_new_tokens - row.new_tokens
             new = new[:budget]
             for j, token in enumerate(new):
