@@ -1,0 +1,30 @@
+"""Serve several prompts at once with the batched engine, with and without a drafter.
+
+    python examples/serve_batch.py [path/to/drafter]
+"""
+
+import sys
+import time
+
+import torch
+from transformers import AutoModel
+
+from angelspec_hf import SpeculativeEngine
+from angelspec_hf.prompts import domain_prompts
+from angelspec_hf.reference import load_reference_target
+
+target, tokenizer = load_reference_target()
+drafter = AutoModel.from_pretrained(sys.argv[1]).eval() if len(sys.argv) > 1 else None
+prompts = domain_prompts("code", "eval", per_set=4)
+ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+
+for name, model in (("plain batched", None), ("speculative", drafter)):
+    if name == "speculative" and model is None:
+        break
+    engine = SpeculativeEngine(target, model, max_batch_size=8)
+    start = time.perf_counter()
+    with torch.no_grad():
+        outputs = engine.generate(ids, max_new_tokens=96, eos_token_id=tokenizer.eos_token_id)
+    new = sum(len(out) - len(prompt) for out, prompt in zip(outputs, ids))
+    print(f"{name}: {new / (time.perf_counter() - start):.1f} tokens/s over {len(ids)} requests")
+print(tokenizer.decode(outputs[0][len(ids[0]):], skip_special_tokens=True))
