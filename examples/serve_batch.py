@@ -12,11 +12,12 @@ from transformers import AutoModel
 from angelspec_hf import SpeculativeEngine
 from angelspec_hf.prompts import domain_prompts
 from angelspec_hf.reference import load_reference_target
+from angelspec_hf.training.data import chat_prefix_ids
 
 target, tokenizer = load_reference_target()
 drafter = AutoModel.from_pretrained(sys.argv[1]).eval() if len(sys.argv) > 1 else None
 prompts = domain_prompts("code", "eval", per_set=4)
-ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+ids = [chat_prefix_ids(tokenizer, prompt) for prompt in prompts]
 
 for name, model in (("plain batched", None), ("speculative", drafter)):
     if name == "speculative" and model is None:
