@@ -100,3 +100,19 @@ def test_engine_sampling_matches_plain_sampling(name, settings):
     accepted = sum(sum(entry["accepted"]) for entry in engine.stats)
     assert accepted > SAMPLES // 4
     assert min_p_value(reference, samples) > 1e-3
+
+
+def test_engine_rows_follow_a_draft_policy(setup):
+    from angelspec_hf.generation import CostModel, DCutPolicy
+
+    target, drafters, prompts = setup
+    drafter = drafters["dfly"]
+    expensive = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 512], seconds=[[1.0, 1.0], [4.5, 4.5]])
+    drafter.draft_policy = DCutPolicy(expensive, explore_every=4)
+    try:
+        engine = SpeculativeEngine(target, drafter, max_batch_size=4)
+        outputs = engine.generate(prompts, max_new_tokens=20)
+    finally:
+        del drafter.draft_policy
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=20, eos_token_id=None)

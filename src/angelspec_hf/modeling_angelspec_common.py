@@ -305,8 +305,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.stats.drafted.append(self.last_draft_length)
         self.stats.accepted.append(int(num_matches))
         if self.last_confidences is not None:
-            self.policy.observe(self.last_confidences, int(num_matches), self.last_draft_seconds,
-                                              input_ids.shape[1])
+            self.policy.observe(self.last_confidences, int(num_matches), self.last_draft_seconds, self.committed + 1)
 
     def _extend_key_padding(self, model_kwargs: dict[str, Any] | None, num_new: int) -> None:
         mask = (model_kwargs or {}).get("attention_mask")
