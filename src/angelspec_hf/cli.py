@@ -167,17 +167,39 @@ def run_train(args: argparse.Namespace) -> int:
     finish = (rollouts + corpus[: len(rollouts) // 2]) if rollouts else None
     train_drafter(target, corpus + rollouts * 2, args.output, recipe, pad_token_id=tokenizer.eos_token_id,
                   finish_rows=finish, resume=args.resume)
+    if args.eval_per_set:
+        domains = ["chat"] if RECIPES[args.recipe][0] == "mtp" else ["code", "math"]
+        evaluate_into_card(target, tokenizer, Path(args.output) / "final", domains, args.eval_per_set, 128)
     return 0
 
 
-def run_eval(args: argparse.Namespace) -> int:
+def evaluate_into_card(target, tokenizer, drafter_dir: Path, domains: list[str], per_set: int, max_new_tokens: int):
+    """Measure a saved drafter on held-out prompts and write the numbers into its model card."""
     from .evaluation import evaluate_drafter
+    from .hub import RESULTS_FILE, write_model_card
     from .prompts import domain_prompts
 
+    drafter = AutoModel.from_pretrained(drafter_dir, dtype=target.dtype).eval()
+    prompts = {domain: domain_prompts(domain, "eval", per_set) for domain in domains}
+    results = evaluate_drafter(target, tokenizer, drafter, prompts, max_new_tokens=max_new_tokens)
+    summary = {domain: {"tau": round(r.tau, 3), "prompts": r.prompts, "lossless": r.identical == r.prompts,
+                        "speedup": round(r.seconds_plain / r.seconds_speculative, 3)} for domain, r in results.items()}
+    (Path(drafter_dir) / RESULTS_FILE).write_text(json.dumps(summary, indent=2))
+    write_model_card(drafter_dir)
+    return results
+
+
+def run_eval(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target)
-    drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
-    prompts = {domain: domain_prompts(domain, "eval", args.per_set) for domain in args.domains}
-    results = evaluate_drafter(target, tokenizer, drafter, prompts, max_new_tokens=args.max_new_tokens)
+    if args.card:
+        results = evaluate_into_card(target, tokenizer, Path(args.drafter), args.domains, args.per_set, args.max_new_tokens)
+    else:
+        from .evaluation import evaluate_drafter
+        from .prompts import domain_prompts
+
+        drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
+        prompts = {domain: domain_prompts(domain, "eval", args.per_set) for domain in args.domains}
+        results = evaluate_drafter(target, tokenizer, drafter, prompts, max_new_tokens=args.max_new_tokens)
     report = {"drafter": str(args.drafter), "target": args.target, "max_new_tokens": args.max_new_tokens,
               "torch_threads": torch.get_num_threads(), "domains": {d: r.as_dict() for d, r in results.items()}}
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
@@ -261,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--resume", action="store_true", help="continue from the last Trainer checkpoint")
+    train.add_argument("--eval-per-set", type=int, default=4,
+                       help="held-out prompts per set measured at the end and written into the model card (0: skip)")
     train.set_defaults(handler=run_train)
 
     evaluate = commands.add_parser("eval", help="tau per domain through generate, greedy, with an identity check")
@@ -270,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--per-set", type=int, default=8, help="held-out prompts per prompt set")
     evaluate.add_argument("--max-new-tokens", type=int, default=128)
     evaluate.add_argument("--report", default="reports/eval.json")
+    evaluate.add_argument("--card", action="store_true",
+                          help="also write the numbers (angelspec_results.json) and a model card into the drafter directory")
     evaluate.set_defaults(handler=run_eval)
     return parser
 
