@@ -134,3 +134,16 @@ def test_pull_from_a_populated_hub_cache_offline(targets, tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
         report = json.loads(result.stdout.strip().splitlines()[-1])
         assert report == {"type": "DFlyDrafter", "block_size": 5, "direct": "DFlyDrafter"}
+
+
+def test_evaluation_writes_measured_numbers_into_the_card(targets, tmp_path):
+    from angelspec_hf.cli import evaluate_into_card
+    from fitting import tiny_tokenizer
+
+    targets.fitted("llama", "dfly-hybrid-corr").save_pretrained(tmp_path)
+    results = evaluate_into_card(targets.target("llama"), tiny_tokenizer(), tmp_path, ["math"], 2, 12)
+    stored = json.loads((tmp_path / "angelspec_results.json").read_text())
+    assert stored["math"]["prompts"] == 2 and stored["math"]["lossless"] is True
+    assert stored["math"]["tau"] == round(results["math"].tau, 3) >= 1.0
+    meta = front_matter((tmp_path / "README.md").read_text())
+    assert meta["angelspec_results"]["math"]["tau"] == stored["math"]["tau"]
