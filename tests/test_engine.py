@@ -116,3 +116,38 @@ def test_engine_rows_follow_a_draft_policy(setup):
         del drafter.draft_policy
     for prompt, output in zip(prompts, outputs):
         assert output == plain(target, prompt, max_new_tokens=20, eos_token_id=None)
+
+
+def test_declared_domains_pick_their_drafter(setup):
+    target, drafters, prompts = setup
+    engine = SpeculativeEngine(target, {"code": drafters["dfly"], "chat": drafters["mtp"]}, max_batch_size=4)
+    domains = ["code", "chat"] * 4
+    outputs = engine.generate(prompts, max_new_tokens=20, domains=domains)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=20, eos_token_id=None)
+    assert {entry["index"]: entry["drafter"] for entry in engine.stats} == dict(enumerate(domains))
+
+
+def test_unknown_domains_are_routed_to_the_drafter_that_pays(setup):
+    """A fitted drafter against a useless one and no drafter: requests settle on the fitted one.
+
+    The tiny target is made to cost what a real one does relative to drafting (a 100 ms sleep per
+    forward); with its natural microseconds, "no drafter" would rightly win. A request whose two
+    probe rounds with the fitted drafter were both rejected may rightly settle on no drafter.
+    """
+    import time
+
+    target, drafters, prompts = setup
+    torch.manual_seed(9)
+    useless = DFlyDrafter.from_target(target, block_size=5).eval()
+    engine = SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless}, max_batch_size=4,
+                               probe_rounds=2)
+    handle = target.register_forward_pre_hook(lambda module, args: time.sleep(0.1))
+    try:
+        outputs = engine.generate(prompts[:5], max_new_tokens=30)
+    finally:
+        handle.remove()
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=30, eos_token_id=None)
+    chosen = [entry["drafter"] for entry in engine.stats]
+    assert chosen.count("fitted") >= 3 and "useless" not in chosen, chosen

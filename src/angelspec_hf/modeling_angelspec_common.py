@@ -265,6 +265,11 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.last_confidences = None
         if is_first_iteration:
             return input_ids, None
+        self.observe_outputs(input_ids, model_outputs, model_kwargs)
+        return self.propose(input_ids)
+
+    def observe_outputs(self, input_ids: torch.LongTensor, model_outputs: Any, model_kwargs: dict[str, Any] | None = None) -> None:
+        """Append the context of the positions the last verify forward committed."""
         num_new = input_ids.shape[1] - 1 - self.committed
         hidden_states = getattr(model_outputs, "hidden_states", None)
         if hidden_states is None or num_new < 1 or hidden_states[self.layer_ids[0] + 1].shape[1] < num_new:
@@ -277,6 +282,11 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         with torch.no_grad():
             self.ingest(input_ids, features)
         self.committed += num_new
+
+    def propose(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Draft after ``input_ids`` (whose context is ingested); returns candidates and their logits."""
+        self.last_draft_length = 0
+        self.last_confidences = None
         budget = min(self.max_draft_tokens, self.max_length - input_ids.shape[1] - 1)
         # An optional draft policy (D-cut, duck-typed so remote code needs nothing of ours) may
         # skip drafting or keep only a prefix; the choice uses draft-side information only, so

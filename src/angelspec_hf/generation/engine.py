@@ -7,6 +7,12 @@ attention for good, and positions are passed explicitly, so each row sees exactl
 committed tokens at their true positions. Requests join when a slot is free (their prompt is
 prefilled separately and its cache merged in) and leave when they finish.
 
+With several drafters (``{name: drafter}``) each request uses the one named by its declared
+domain; a request without a known domain is routed online: its first rounds try every drafter
+and "no drafter" in turn, each arm is scored by tokens gained per second of its own drafting
+plus its share of the verify forward, and the request keeps the best arm. Every candidate
+drafter ingests the request's context while it is being tried, so switching is free.
+
 Drafting reuses the drafters' own candidate generators, one per row, fed with that row's slice
 of the verify forward's hidden states. Greedy: each row's output is what plain greedy decoding of
 that row gives (up to the floating-point differences any batched forward has, which can flip a
@@ -19,6 +25,7 @@ target's distribution.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -36,16 +43,28 @@ class EngineRequestError(AngelSpecError, ValueError):
     """One request could not be served (empty or too long prompt, bad ids); the others were."""
 
 
+NO_DRAFTER = "none"
+
+
 @dataclass
 class _Row:
     index: int
     tokens: list[int]
     prompt_length: int
     max_new_tokens: int
-    generator: object | None = None
+    domain: str | None = None
+    generators: dict = field(default_factory=dict)  # arm -> candidate generator, while it may be used
+    arm: str = NO_DRAFTER
+    schedule: list[str] = field(default_factory=list)  # arms still to probe, in order
+    arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds]
     outputs: object | None = None  # this row's slice of the last forward's hidden states
     draft_logits: torch.Tensor | None = None  # processed draft logits of the current round (sampling)
+    draft_seconds: float = 0.0
     accepted: list[int] = field(default_factory=list)
+
+    @property
+    def generator(self):
+        return self.generators.get(self.arm)
 
     @property
     def new_tokens(self) -> int:
@@ -68,21 +87,33 @@ class SpeculativeEngine:
     >>> outputs = engine.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=128)
     """
 
-    def __init__(self, target, drafter=None, max_batch_size: int = 16):
-        if drafter is not None:
-            drafter.check_target(target)
-        self.target, self.drafter, self.max_batch_size = target.eval(), drafter, max_batch_size
+    def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2):
+        if drafter is None:
+            drafters = {}
+        elif isinstance(drafter, dict):
+            drafters = dict(drafter)
+        else:
+            drafters = {"drafter": drafter}
+        for model in drafters.values():
+            model.check_target(target)
+        self.target, self.drafters, self.max_batch_size = target.eval(), drafters, max_batch_size
+        self.route = isinstance(drafter, dict)
+        self.probe_rounds = probe_rounds
         text = target.config.get_text_config()
         self.max_positions = getattr(text, "max_position_embeddings", None)
-        self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
+        self.layer_ids = sorted({i for model in drafters.values() for i in model.config.target_layer_ids})
 
     # -- public ---------------------------------------------------------------------------
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None) -> list[list[int] | EngineRequestError]:
-        """Continue every prompt (greedy, or sampled); a request that cannot be served gets its error instead."""
+                 top_p: float | None = None, domains: list[str | None] | None = None) -> list[list[int] | EngineRequestError]:
+        """Continue every prompt (greedy, or sampled); a request that cannot be served gets its error instead.
+
+        ``domains`` names, per request, the drafter to use (with a ``{name: drafter}`` engine);
+        requests without a known one are routed online.
+        """
         self.do_sample = do_sample
         self.processors = self._processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
@@ -93,7 +124,8 @@ class SpeculativeEngine:
             if error is not None:
                 results[index] = error
             else:
-                waiting.append(_Row(index, list(map(int, prompt)), len(prompt), max_new_tokens))
+                domain = domains[index] if domains is not None else None
+                waiting.append(_Row(index, list(map(int, prompt)), len(prompt), max_new_tokens, domain))
         self.stats = []
         rows: list[_Row] = []
         cache, valid = None, None
@@ -109,7 +141,8 @@ class SpeculativeEngine:
             for i in finished:
                 row = rows[i]
                 results[row.index] = row.tokens
-                self.stats.append({"index": row.index, "rounds": len(row.accepted), "accepted": row.accepted})
+                self.stats.append({"index": row.index, "rounds": len(row.accepted), "accepted": row.accepted,
+                                   "drafter": row.arm})
             if finished:
                 keep = [i for i in range(len(rows)) if i not in finished]
                 rows = [rows[i] for i in keep]
@@ -201,11 +234,8 @@ class SpeculativeEngine:
         out = self._forward(ids, mask, positions, new_cache)
         for i, row in enumerate(joining):
             row.tokens.append(self._choose(row.tokens, out.logits[i, row.prompt_length - 1]))
-            if self.drafter is not None:
-                row.generator = self._new_generator(row)
-                row.generator.get_candidates(torch.tensor([row.tokens[:-1]]), is_first_iteration=True)
-                row.generator.update_candidate_strategy(None, None, 0)  # the prefill round
-                row.outputs = self._row_outputs(out, i)
+            self._assign_drafters(row)
+            row.outputs = self._row_outputs(out, i)
         new_valid = mask.bool()
         if cache is None:
             return new_cache, new_valid
@@ -224,24 +254,61 @@ class SpeculativeEngine:
         merged = torch.cat([_pad_left(valid, length, 1, False), _pad_left(new_valid, length, 1, False)])
         return cache, merged
 
-    def _new_generator(self, row: _Row):
+    def _new_generator(self, row: _Row, drafter):
         config = GenerationConfig(max_length=row.prompt_length + row.max_new_tokens, do_sample=self.do_sample)
-        return self.drafter.get_candidate_generator(target=self.target, generation_config=config,
+        generator = drafter.get_candidate_generator(target=self.target, generation_config=config,
                                                     logits_processor=self.processors)
+        generator.update_candidate_strategy(None, None, 0)  # the prefill round
+        return generator
+
+    def _assign_drafters(self, row: _Row) -> None:
+        """The drafter a request uses: its domain's, the only one, or every one (to be routed)."""
+        if not self.drafters:
+            return
+        if not self.route:
+            row.arm = next(iter(self.drafters))
+        elif row.domain in self.drafters:
+            row.arm = row.domain
+        else:
+            arms = [*self.drafters, NO_DRAFTER]
+            row.schedule = [arm for arm in arms for _ in range(self.probe_rounds)]
+            row.arm = row.schedule.pop(0)
+            row.generators = {name: self._new_generator(row, model) for name, model in self.drafters.items()}
+            return
+        row.generators = {row.arm: self._new_generator(row, self.drafters[row.arm])}
+
+    def _score(self, row: _Row, tokens: int, seconds: float) -> None:
+        """Record a routed round and move to the next probe, or settle on the best arm."""
+        if not row.schedule and len(row.generators) <= 1:
+            return
+        score = row.arm_scores.setdefault(row.arm, [0, 0.0])
+        score[0] += tokens
+        score[1] += seconds
+        if row.schedule:
+            row.arm = row.schedule.pop(0)
+            return
+        row.arm = max(row.arm_scores, key=lambda arm: row.arm_scores[arm][0] / max(row.arm_scores[arm][1], 1e-9))
+        row.generators = {row.arm: row.generators[row.arm]} if row.arm in row.generators else {}
 
     def _step(self, rows, cache, valid, eos):
         """One verify forward for every active row: draft, verify, accept, mask the rejected slots."""
         active = [not self._finished(row, eos) for row in rows]
         drafts = []
         for row, is_active in zip(rows, active):
-            if not is_active or row.generator is None:
+            row.draft_seconds = 0.0
+            if not is_active or not row.generators:
                 drafts.append([])
                 continue
             ids = torch.tensor([row.tokens], device=self.target.device)
-            candidates, row.draft_logits = row.generator.get_candidates(
-                ids, model_outputs=row.outputs, is_first_iteration=False,
-                n_last_matches=row.accepted[-1] if row.accepted else 0)
-            drafts.append(candidates[0, len(row.tokens):].tolist())
+            start = time.perf_counter()
+            for generator in row.generators.values():
+                generator.observe_outputs(ids, row.outputs)
+            if row.generator is None:
+                drafts.append([])
+            else:
+                candidates, row.draft_logits = row.generator.propose(ids)
+                drafts.append(candidates[0, len(row.tokens):].tolist())
+            row.draft_seconds = time.perf_counter() - start
         width = 1 + max(len(d) for d in drafts)
         device = self.target.device
         batch = len(rows)
@@ -254,7 +321,9 @@ class SpeculativeEngine:
             window_valid[i, : len(window)] = active[i]
             positions[i] = len(row.tokens) - 1 + torch.arange(width, device=device)
         mask = torch.cat([valid, window_valid], dim=1).long()
+        start = time.perf_counter()
         out = self._forward(ids, mask, positions, cache)
+        verify_share = (time.perf_counter() - start) / max(sum(active), 1)
         kept = torch.zeros_like(window_valid)
         for i, (row, draft) in enumerate(zip(rows, drafts)):
             if not active[i]:
@@ -269,8 +338,10 @@ class SpeculativeEngine:
             row.tokens += new
             # The pending token and the accepted drafts are now committed; the rest is masked for good.
             kept[i, : len(new)] = True
-            if row.generator is not None:
+            if row.generators:
                 row.accepted.append(len(new) - 1)
-                row.generator.update_candidate_strategy(None, None, len(new) - 1)
+                if row.generator is not None:
+                    row.generator.update_candidate_strategy(None, None, len(new) - 1)
                 row.outputs = self._row_outputs(out, i)
+                self._score(row, len(new), row.draft_seconds + verify_share)
         return cache, torch.cat([valid, kept], dim=1)
