@@ -60,3 +60,16 @@ def test_magpie_prompts_come_from_the_empty_user_header(targets):
                                       min_chars=3)
     assert len(prompts) == 5 and len(set(prompts)) == 5
     assert all(prompt.strip() == prompt and "</s>" not in prompt for prompt in prompts)
+
+
+def test_framed_code_chunks_always_leave_room_for_training(tmp_path):
+    from angelspec_hf.training.data import MIN_TRAINED_TOKENS, framed_code_sequences
+
+    (tmp_path / "empty.py").write_text("")
+    (tmp_path / "tiny.py").write_text("w7 w8 w9\n")
+    (tmp_path / "big.py").write_text(" ".join(f"w{3 + i % 90}" for i in range(3000)))
+    tokenizer = tiny_tokenizer()
+    rows = framed_code_sequences(tokenizer, seq_len=1200, max_tokens=100_000, root=str(tmp_path))
+    assert rows and all(len(row["input_ids"]) - row["loss_start"] >= MIN_TRAINED_TOKENS for row in rows)
+    assert all(len(row["input_ids"]) <= 1200 for row in rows)
+    assert sum(len(row["input_ids"]) - row["loss_start"] for row in rows) > 2900  # the big file, nearly whole

@@ -83,7 +83,7 @@ def rollout_sequences(files: list[Path], seq_len: int) -> list[dict]:
             if "response_ids" not in record:
                 raise ValueError(f"{path} holds rows without response_ids: it is not a rollout file.")
             ids = (record["prompt_ids"] + record["response_ids"])[:seq_len]
-            if len(ids) - len(record["prompt_ids"]) >= 8:
+            if len(ids) - len(record["prompt_ids"]) >= MIN_TRAINED_TOKENS:
                 rows.append({"input_ids": ids, "loss_start": len(record["prompt_ids"]), "domain": record.get("domain", "")})
     return rows
 
@@ -144,11 +144,18 @@ def python_source_files(root: str | None = None, max_bytes: int = 200_000) -> li
     return files
 
 
-def framed_code_sequences(tokenizer, seq_len: int, max_tokens: int, seed: int = 0) -> list[dict]:
-    """Chunks of standard-library source framed as the assistant's reply to a training code prompt."""
+MIN_TRAINED_TOKENS = 32
+
+
+def framed_code_sequences(tokenizer, seq_len: int, max_tokens: int, seed: int = 0, root: str | None = None) -> list[dict]:
+    """Chunks of standard-library source framed as the assistant's reply to a training code prompt.
+
+    Every chunk carries at least ``MIN_TRAINED_TOKENS`` code tokens (empty ``__init__.py`` files
+    and file tails would leave no room for a draft block).
+    """
     rng = random.Random(seed)
     prompts = load_prompts("humaneval", "train") + load_prompts("mbpp", "train")
-    files = python_source_files()
+    files = python_source_files(root)
     rng.shuffle(files)
     fence = tokenizer.encode("```python\n", add_special_tokens=False)
     rows, total = [], 0
@@ -159,10 +166,12 @@ def framed_code_sequences(tokenizer, seq_len: int, max_tokens: int, seed: int = 
         code = tokenizer.encode(text, add_special_tokens=False)
         prefix = chat_prefix_ids(tokenizer, rng.choice(prompts)) + fence
         body = seq_len - len(prefix)
-        if body < 32:
+        if body < MIN_TRAINED_TOKENS:
             continue
-        for start in range(0, max(len(code) - 32, 1), body):
+        for start in range(0, len(code), body):
             chunk = code[start : start + body]
+            if len(chunk) < MIN_TRAINED_TOKENS:
+                break
             rows.append({"input_ids": prefix + chunk, "loss_start": len(prefix), "domain": "code"})
             total += len(chunk)
             if total >= max_tokens:
