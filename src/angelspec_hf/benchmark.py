@@ -156,11 +156,11 @@ def summarise(runs: list[Run]) -> list[dict]:
 
 def format_table(rows: list[dict], group: str = "domain") -> str:
     """Terminal table of summary rows grouped by ``domain`` (batch 1) or ``concurrency`` (engine)."""
-    header = f"{'method':34} {group[:6]:>6} {'n':>3} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'lossless':>8}"
+    header = f"{'method':48} {group[:6]:>6} {'n':>3} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'lossless':>8}"
     lines = [header, "-" * len(header)]
     for row in rows:
         tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
-        lines.append(f"{row['method'][:34]:34} {str(row[group]):>6} {row['prompts']:>3} {tau:>5} "
+        lines.append(f"{row['method'][:48]:48} {str(row[group]):>6} {row['prompts']:>3} {tau:>5} "
                      f"{row['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {'yes' if row['lossless'] else 'NO':>8}")
     return "\n".join(lines)
 
