@@ -173,15 +173,21 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def evaluate_into_card(target, tokenizer, drafter_dir: Path, domains: list[str], per_set: int, max_new_tokens: int):
-    """Measure a saved drafter on held-out prompts and write the numbers into its model card."""
+def measure_drafter(target, tokenizer, drafter_dir, domains: list[str], per_set: int, max_new_tokens: int):
+    """Greedy tau and identity of a saved drafter on the held-out prompts of each domain."""
     from .evaluation import evaluate_drafter
-    from .hub import RESULTS_FILE, write_model_card
     from .prompts import domain_prompts
 
     drafter = AutoModel.from_pretrained(drafter_dir, dtype=target.dtype).eval()
     prompts = {domain: domain_prompts(domain, "eval", per_set) for domain in domains}
-    results = evaluate_drafter(target, tokenizer, drafter, prompts, max_new_tokens=max_new_tokens)
+    return evaluate_drafter(target, tokenizer, drafter, prompts, max_new_tokens=max_new_tokens)
+
+
+def evaluate_into_card(target, tokenizer, drafter_dir: Path, domains: list[str], per_set: int, max_new_tokens: int):
+    """Measure a saved drafter on held-out prompts and write the numbers into its model card."""
+    from .hub import RESULTS_FILE, write_model_card
+
+    results = measure_drafter(target, tokenizer, drafter_dir, domains, per_set, max_new_tokens)
     summary = {domain: {"tau": round(r.tau, 3), "prompts": r.prompts, "lossless": r.identical == r.prompts,
                         "speedup": round(r.seconds_plain / r.seconds_speculative, 3)} for domain, r in results.items()}
     (Path(drafter_dir) / RESULTS_FILE).write_text(json.dumps(summary, indent=2))
@@ -191,15 +197,8 @@ def evaluate_into_card(target, tokenizer, drafter_dir: Path, domains: list[str],
 
 def run_eval(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target)
-    if args.card:
-        results = evaluate_into_card(target, tokenizer, Path(args.drafter), args.domains, args.per_set, args.max_new_tokens)
-    else:
-        from .evaluation import evaluate_drafter
-        from .prompts import domain_prompts
-
-        drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
-        prompts = {domain: domain_prompts(domain, "eval", args.per_set) for domain in args.domains}
-        results = evaluate_drafter(target, tokenizer, drafter, prompts, max_new_tokens=args.max_new_tokens)
+    measure = evaluate_into_card if args.card else measure_drafter
+    results = measure(target, tokenizer, Path(args.drafter), args.domains, args.per_set, args.max_new_tokens)
     report = {"drafter": str(args.drafter), "target": args.target, "max_new_tokens": args.max_new_tokens,
               "torch_threads": torch.get_num_threads(), "domains": {d: r.as_dict() for d, r in results.items()}}
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)

@@ -51,13 +51,22 @@ def expected_tokens(survival: list[float], k: int) -> float:
     return 1.0 + sum(survival[:k])
 
 
-def best_cut(confidences: list[float], verify_seconds, draft_seconds: float = 0.0) -> int:
-    """The k in 0..len(confidences) maximising ``(1 + sum_{j<=k} s_j) / (draft + verify(k + 1))``."""
+def survival_of(confidences: list[float]) -> list[float]:
+    """``s_j = prod_{i<=j} c_i``: how often position j is reached and accepted."""
     survival, running = [], 1.0
     for confidence in confidences:
         running *= confidence
         survival.append(running)
-    rates = [expected_tokens(survival, k) / (draft_seconds + verify_seconds(k + 1)) for k in range(len(confidences) + 1)]
+    return survival
+
+
+def best_cut(confidences: list[float], verify_seconds) -> int:
+    """The k in 0..len(confidences) maximising ``(1 + sum_{j<=k} s_j) / verify(k + 1)``.
+
+    Drafting time is sunk when the cut is chosen, so only verification enters.
+    """
+    survival = survival_of(confidences)
+    rates = [expected_tokens(survival, k) / verify_seconds(k + 1) for k in range(len(confidences) + 1)]
     return max(range(len(rates)), key=rates.__getitem__)
 
 
@@ -118,11 +127,7 @@ class DCutPolicy:
         """Asked after each drafted token, so that sequential drafters stop early (exploration rounds never do)."""
         if (self.decisions + 1) % self.explore_every == 0:
             return True
-        survival, running = [], 1.0
-        for confidence in confidences:
-            running *= self.calibrator(confidence)
-            survival.append(running)
-        return worth_extending(survival, self.verify(context))
+        return worth_extending(survival_of([self.calibrator(c) for c in confidences]), self.verify(context))
 
     def choose(self, confidences: list[float], context: int) -> int:
         self.decisions += 1
