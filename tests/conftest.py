@@ -17,13 +17,18 @@ torch.set_num_threads(1)
 
 PROMPT_LENGTH = 6
 FAMILIES = ("llama", "qwen3")
-# Every DFly switch combination, and MTP with and without a reduced vocabulary.
+# Every DFly switch combination, and MTP and DFly with and without a reduced vocabulary.
 DRAFTER_KINDS = (
     "mtp",
     "mtp-reduced",
     *(f"dfly-{conditioning}-{'corr' if correction else 'nocorr'}"
       for conditioning in ("global", "layerwise", "hybrid") for correction in (True, False)),
+    "dfly-hybrid-corr-reduced",
 )
+
+
+def reduced_vocab(target, sequences=None) -> torch.Tensor:
+    return torch.unique(sequences) if sequences is not None else torch.arange(target.config.vocab_size // 2)
 
 
 def build_drafter(kind: str, target, sequences=None):
@@ -31,10 +36,11 @@ def build_drafter(kind: str, target, sequences=None):
     if kind == "mtp":
         return MTPDrafter.from_target(target, num_draft_tokens=4)
     if kind == "mtp-reduced":
-        ids = torch.unique(sequences) if sequences is not None else torch.arange(target.config.vocab_size // 2)
-        return MTPDrafter.from_target(target, num_draft_tokens=4, draft_token_ids=ids)
-    _, conditioning, correction = kind.split("-")
-    return DFlyDrafter.from_target(target, block_size=6, conditioning=conditioning, hidden_correction=correction == "corr")
+        return MTPDrafter.from_target(target, num_draft_tokens=4, draft_token_ids=reduced_vocab(target, sequences))
+    _, conditioning, correction, *reduced = kind.split("-")
+    ids = reduced_vocab(target, sequences) if reduced else None
+    return DFlyDrafter.from_target(target, block_size=6, conditioning=conditioning, hidden_correction=correction == "corr",
+                                   draft_token_ids=ids)
 
 
 class Targets:

@@ -2,7 +2,7 @@
 
 import json
 
-from angelspec_hf.benchmark import AR, PROMPT_LOOKUP, format_table, run_benchmark, summarise, write_chart, write_report
+from angelspec_hf.benchmark import AR, PROMPT_LOOKUP, ROUTER, format_table, run_benchmark, summarise, write_chart, write_report
 from angelspec_hf.generation import CostModel
 from fitting import tiny_tokenizer
 
@@ -45,13 +45,17 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets):
     from angelspec_hf.benchmark import run_concurrency
 
     target, tokenizer = targets.target("llama"), tiny_tokenizer()
-    drafters = {"dfly": targets.fitted("llama", "dfly-hybrid-corr")}
+    drafters = {"dfly": targets.fitted("llama", "dfly-hybrid-corr"), "mtp": targets.fitted("llama", "mtp")}
     references: dict = {}
-    run_benchmark(target, tokenizer, drafters, ["math"], per_set=2, max_new_tokens=10, references=references)
-    rows = run_concurrency(target, tokenizer, drafters, ["math"], per_set=2, max_new_tokens=10, levels=[1, 2],
-                           references=references)
-    assert [(r["method"], r["concurrency"]) for r in rows] == [(AR, 1), ("dfly", 1), (AR, 2), ("dfly", 2)]
+    run_benchmark(target, tokenizer, drafters, ["code", "math"], per_set=1, max_new_tokens=10, references=references)
+    cost = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 512], batch_sizes=[1, 2],
+                     seconds=[[[1.0, 1.0], [1.4, 1.4]], [[1.2, 1.2], [2.0, 2.0]]])
+    rows = run_concurrency(target, tokenizer, drafters, ["code", "math"], per_set=1, max_new_tokens=10, levels=[1, 2],
+                           references=references, cost_model=cost)
+    methods = [AR, "dfly", "dfly + D-cut", "mtp", "mtp + D-cut", ROUTER]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [(m, level) for level in (1, 2) for m in methods]
     assert rows[0]["speedup"] == 1.0 and rows[0]["tau"] is None and rows[1]["tau"] >= 1.0
+    assert rows[2]["drafting_steps"] > 0 and set(rows[5]["drafters_chosen"]) <= {"dfly", "mtp", "none"}
     assert "concur" in format_table(rows, group="concurrency")
     assert all(r["lossless"] for r in rows)
     # A wrong reference is reported as lossy.

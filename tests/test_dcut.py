@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from angelspec_hf.generation import CostModel, DCutPolicy, FixedLengthPolicy, profile_target
-from angelspec_hf.generation.dcut import Calibrator, best_cut
+from angelspec_hf.generation.dcut import Calibrator, best_cut, best_window
 from conftest import PROMPT_LENGTH
 
 
@@ -46,7 +46,7 @@ def test_best_cut_extremes_by_hand():
 def test_cost_model_is_monotone_interpolates_and_round_trips(tmp_path, caplog):
     model = CostModel(target="t", hardware="elsewhere", tokens=[1, 4], contexts=[10, 100],
                       seconds=[[1.0, 2.0], [0.5, 4.0]])
-    assert model.seconds == [[1.0, 2.0], [1.0, 4.0]]  # 4 tokens never cheaper than 1
+    assert model.seconds == [[[1.0, 2.0], [1.0, 4.0]]]  # 4 tokens never cheaper than 1; batch 1 only
     assert model.verify_seconds(1, 55) == pytest.approx(1.5)
     assert model.verify_seconds(4, 1000) == pytest.approx(4.0)
     assert model.verify_seconds(2.5, 55) == pytest.approx(2.0)
@@ -56,8 +56,58 @@ def test_cost_model_is_monotone_interpolates_and_round_trips(tmp_path, caplog):
 
 
 def test_profile_target_measures_the_grid(targets):
-    model = profile_target(targets.target("llama"), "tiny", tokens=(1, 4), contexts=(8, 32), repeats=2)
-    assert len(model.seconds) == 2 and all(len(row) == 2 and all(v > 0 for v in row) for row in model.seconds)
+    model = profile_target(targets.target("llama"), "tiny", tokens=(1, 4), contexts=(8, 32), batch_sizes=(1, 3), repeats=2)
+    assert model.batch_sizes == [1, 3]
+    assert all(len(grid) == 2 and all(len(row) == 2 and all(v > 0 for v in row) for row in grid) for grid in model.seconds)
+
+
+def test_cost_model_batch_axis_interpolates_and_extrapolates():
+    # 1 row: 1.0 s for 1 token, 2.0 for 4; 4 rows: twice that.
+    model = CostModel(target="t", hardware="t", tokens=[1, 4], contexts=[0, 100], batch_sizes=[1, 4],
+                      seconds=[[[1.0, 1.0], [2.0, 2.0]], [[2.0, 2.0], [4.0, 4.0]]])
+    assert model.verify_seconds(4, 50, batch=1) == pytest.approx(2.0)
+    assert model.verify_seconds(1, 50, batch=2.5) == pytest.approx(1.5)
+    assert model.verify_seconds(4, 50, batch=8) == pytest.approx(8.0)  # linear beyond the grid
+    with pytest.raises(ValueError, match="expected"):
+        CostModel(target="t", hardware="t", tokens=[1, 4], contexts=[0], batch_sizes=[1, 4], seconds=[[[1.0], [2.0]]])
+
+
+def brute_force_window(survivals, verify):
+    """Every combination of per-row draft lengths; a padded forward costs its widest window."""
+    best, best_rate = None, -1.0
+    for lengths in itertools.product(*(range(len(s) + 1) for s in survivals)):
+        width = 1 + max(lengths)
+        rate = sum(1 + sum(s[:k]) for s, k in zip(survivals, lengths)) / verify(width)
+        if rate > best_rate + 1e-12:
+            best, best_rate = width, rate
+    return best, best_rate
+
+
+@pytest.mark.parametrize("per_token", [0.0, 0.02, 0.1, 0.3, 1.0])
+def test_best_window_is_the_brute_force_optimum_over_per_row_lengths(per_token):
+    generator = torch.Generator().manual_seed(int(per_token * 100) + 1)
+    verify = lambda width: 1.0 + per_token * (width - 1)  # noqa: E731
+    for _ in range(30):
+        survivals = []
+        for length in torch.randint(0, 5, (3,), generator=generator).tolist():
+            survivals.append(torch.rand(length, generator=generator).cumprod(0).tolist())
+        width = best_window(survivals, verify)
+        _, optimum = brute_force_window(survivals, verify)
+        rate = sum(1 + sum(s[: width - 1]) for s in survivals) / verify(width)
+        assert rate == pytest.approx(optimum)
+
+
+def test_batch_dcut_drafts_less_as_the_batch_grows():
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    # Like a CPU: a forward costs about the same for 1 to 8 slots at batch 1, but at batch 16
+    # every slot costs what a decoded token does.
+    model = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 100], batch_sizes=[1, 16],
+                      seconds=[[[1.0, 1.0], [1.2, 1.2]], [[2.0, 2.0], [16.0, 16.0]]])
+    policy = BatchDCutPolicy(model, explore_every=1000)
+    confident = [0.9] * 7
+    assert policy.window([confident], batch=1, context=10) == 8
+    assert policy.window([confident] * 16, batch=16, context=10) == 1
 
 
 def test_calibration_learns_that_confident_drafts_fail():

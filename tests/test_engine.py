@@ -81,7 +81,46 @@ def test_engine_refuses_a_foreign_drafter_and_a_bad_temperature(setup):
         SpeculativeEngine(target).generate([[5, 6]], do_sample=True, temperature=0.0)
 
 
+def cutting_policy(explore_every: int = 5, slot_cost: float = 0.2):
+    """A batch D-cut under which windows really vary: each extra slot costs ``slot_cost`` forwards."""
+    from angelspec_hf.generation import BatchDCutPolicy, CostModel
+
+    wide = 1.0 + 7 * slot_cost
+    seconds = [[[1.0, 1.0], [wide, wide]], [[1.5, 1.5], [1.5 * wide, 1.5 * wide]]]
+    model = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 512], batch_sizes=[1, 16], seconds=seconds)
+    return BatchDCutPolicy(model, explore_every=explore_every)
+
+
 @pytest.mark.parametrize("name", ["dfly", "mtp"])
+def test_batch_dcut_cuts_and_every_row_equals_its_plain_generate(setup, name):
+    target, drafters, prompts = setup
+    policy = cutting_policy()
+    engine = SpeculativeEngine(target, drafters[name], max_batch_size=4, policy=policy)
+    outputs = engine.generate(prompts, max_new_tokens=25)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
+    longest = drafters[name].max_draft_tokens + 1
+    assert any(1 < w < longest for w in policy.windows) and longest in policy.windows, policy.windows
+
+
+def test_batch_dcut_stops_drafting_that_never_pays(setup):
+    from angelspec_hf.generation import BatchDCutPolicy, CostModel
+
+    target, drafters, prompts = setup
+    # Every slot costs a whole forward: drafts can only lose.
+    seconds = [[[1.0, 1.0], [8.0, 8.0]]]
+    policy = BatchDCutPolicy(CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 512], batch_sizes=[1],
+                                       seconds=seconds), explore_every=4)
+    engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=4, policy=policy)
+    outputs = engine.generate(prompts, max_new_tokens=25)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
+    steps = sum(entry["rounds"] for entry in engine.stats) / 4  # engine steps, at least
+    assert policy.efficiency < 1.0 and len(policy.windows) < steps / 2, (policy.windows, steps)
+    assert all(w == 1 for i, w in enumerate(policy.windows, 1) if i % 4), "only exploration keeps drafts"
+
+
+@pytest.mark.parametrize("name", ["dfly", "mtp", "dfly+batch-dcut"])
 @pytest.mark.parametrize("settings", [{}, {"temperature": 0.7, "top_k": 6}], ids=["t1", "t0.7-top6"])
 def test_engine_sampling_matches_plain_sampling(name, settings):
     """Chi-square homogeneity per position, p > 1e-3 with fixed seeds, as in test_sampling."""
@@ -90,15 +129,19 @@ def test_engine_sampling_matches_plain_sampling(name, settings):
     target = tiny_target("llama", vocab_size=10, hidden_size=32, num_hidden_layers=4, seed=11)
     with torch.no_grad():
         target.lm_head.weight.mul_(10.0)
-    drafter = drafters(target)[name]
+    drafter = drafters(target)[name.split("+")[0]]
     reference = plain_samples(target, seed=1, **settings)
     torch.manual_seed(2)
-    engine = SpeculativeEngine(target, drafter, max_batch_size=16)
+    # Cheap slots: the random drafter's drafts must keep being verified, and cut.
+    policy = cutting_policy(explore_every=3, slot_cost=0.05) if name.endswith("batch-dcut") else None
+    engine = SpeculativeEngine(target, drafter, max_batch_size=16, policy=policy)
     outputs = engine.generate([SAMPLING_PROMPT[0].tolist()] * SAMPLES, max_new_tokens=NEW_TOKENS, do_sample=True,
                               **settings)
     samples = torch.tensor([out[SAMPLING_PROMPT.shape[1]:] for out in outputs])
     accepted = sum(sum(entry["accepted"]) for entry in engine.stats)
     assert accepted > SAMPLES // 4
+    if policy is not None:
+        assert any(1 < w < drafter.max_draft_tokens + 1 for w in policy.windows)
     assert min_p_value(reference, samples) > 1e-3
 
 

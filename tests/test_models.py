@@ -88,6 +88,25 @@ def test_reduced_vocabulary_maps_draft_ids_to_target_ids(targets):
     assert torch.equal(finite, expected)
 
 
+def test_dfly_reduced_vocabulary_drafts_only_its_tokens(targets):
+    target = targets.target("llama")
+    ids = torch.tensor([40, 3, 17, 90, 5])
+    drafter = DFlyDrafter.from_target(target, block_size=4, draft_token_ids=ids)
+    expected = ids.sort().values
+    assert drafter.config.draft_vocab_size == 5 and torch.equal(drafter.draft_token_ids(), expected)
+    z = torch.randn(1, 3, drafter.config.hidden_size)
+    full = drafter.logits(z, target.lm_head)
+    reduced = drafter.logits(z, drafter.draft_head(target.lm_head))
+    assert reduced.shape == full.shape
+    assert torch.equal(torch.isfinite(reduced[0, 0]).nonzero().flatten(), expected)
+    torch.testing.assert_close(reduced[..., expected], full[..., expected])
+    # The full vocabulary again, and ids that cannot be target tokens.
+    drafter.set_draft_vocab(torch.arange(target.config.vocab_size))
+    assert drafter.config.draft_vocab_size is None and "draft_vocab" not in drafter.state_dict()
+    with pytest.raises(DrafterConfigError, match="draft_token_ids"):
+        drafter.set_draft_vocab([target.config.vocab_size])
+
+
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_save_and_auto_load_round_trip(targets, tmp_path, kind):
     target = targets.target("llama")

@@ -76,10 +76,12 @@ def drafters(target):
         "mtp": MTPDrafter.from_target(target, num_draft_tokens=3).eval(),
         "dfly": DFlyDrafter.from_target(target, block_size=4).eval(),
         "dfly+dcut": cut,
+        # Tokens outside the draft vocabulary can only come from the residual distribution.
+        "dfly-reduced": DFlyDrafter.from_target(target, block_size=4, draft_token_ids=[1, 3, 4, 6, 8]).eval(),
     }
 
 
-@pytest.mark.parametrize("name", ["mtp", "dfly", "dfly+dcut"])
+@pytest.mark.parametrize("name", ["mtp", "dfly", "dfly+dcut", "dfly-reduced"])
 @pytest.mark.parametrize("settings", [{}, {"temperature": 0.7, "top_k": 6}], ids=["t1", "t0.7-top6"])
 def test_speculative_sampling_matches_plain_sampling(small_target, name, settings):
     drafter = drafters(small_target)[name]

@@ -16,7 +16,9 @@ class AngelSpecDrafterConfig(PretrainedConfig):
     ``vocab_size``/``hidden_size``/``num_target_layers`` must equal the target's,
     ``target_layer_ids`` are decoder-layer indices whose outputs (``hidden_states[i + 1]``) the
     drafter reads, ``target_embedding_fingerprint`` is a small sample of the target's input
-    embedding matrix (see ``embedding_fingerprint``).
+    embedding matrix (see ``embedding_fingerprint``). ``draft_vocab_size`` (``None``: the full
+    vocabulary) limits drafting to that many target tokens, stored with the weights; on a CPU the
+    full ``lm_head`` per drafted token costs more than the rest of the drafter.
     """
 
     vocab_size: int = 32000
@@ -36,6 +38,7 @@ class AngelSpecDrafterConfig(PretrainedConfig):
     target_model_type: str | None = None
     target_embedding_fingerprint: list[float] | None = None
     tie_word_embeddings: bool = False
+    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.target_layer_ids is None:
@@ -59,6 +62,13 @@ class AngelSpecDrafterConfig(PretrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_key_value_heads})."
             )
+        if self.draft_vocab_size is not None and (
+            not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size
+        ):
+            raise DrafterConfigError(
+                f"draft_vocab_size must be between 1 and the target vocabulary ({self.vocab_size}), "
+                f"got {self.draft_vocab_size!r}; use None for the full vocabulary."
+            )
         if not self.target_layer_ids:
             raise DrafterConfigError("target_layer_ids is empty: list the target decoder layers the drafter reads.")
         bad = [i for i in self.target_layer_ids if not isinstance(i, int) or not 0 <= i < self.num_target_layers]
@@ -66,3 +76,7 @@ class AngelSpecDrafterConfig(PretrainedConfig):
             raise DrafterConfigError(
                 f"target_layer_ids {bad} are outside the target's decoder layers 0..{self.num_target_layers - 1}."
             )
+
+    @property
+    def uses_reduced_vocab(self) -> bool:
+        return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size

@@ -19,9 +19,11 @@ from .modeling_angelspec_common import (
     AngelSpecPreTrainedModel,
     RMSNorm,
     SwiGLU,
+    VocabSubsetHead,
     apply_rotary,
     attend,
     rotary_cos_sin,
+    sorted_draft_token_ids,
     split_heads,
 )
 
@@ -95,6 +97,9 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
         self.layers = nn.ModuleList(DFlyLayer(config) for _ in range(config.num_hidden_layers))
         self.hidden_correction = HiddenCorrection(config) if config.hidden_correction else None
         self.final_norm = RMSNorm(size, config.rms_norm_eps)
+        if config.uses_reduced_vocab:
+            # Target ids the drafter may propose; their rows of the target's lm_head score them.
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -141,22 +146,54 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
     def correct(self, z: torch.Tensor, previous_embeds: torch.Tensor) -> torch.Tensor:
         return z if self.hidden_correction is None else self.hidden_correction(z, previous_embeds)
 
-    def logits(self, z: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+    def logits(self, z: torch.Tensor, target_lm_head) -> torch.Tensor:
+        """Logits of backbone/corrected states through ``target_lm_head`` or a `draft_head` of it."""
         return target_lm_head(self.final_norm(z).to(target_lm_head.weight.dtype))
+
+    def draft_head(self, target_lm_head: nn.Module):
+        """The head drafting uses: the target's, or only its draft-vocabulary rows (gather once per call).
+
+        Training keeps the full head, so a reduced vocabulary can be set after training.
+        """
+        if not self.config.uses_reduced_vocab:
+            return target_lm_head
+        return VocabSubsetHead(target_lm_head, self.draft_vocab, self.config.vocab_size)
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """Target ids the drafter may propose (all of them without a reduced vocabulary)."""
+        if not self.config.uses_reduced_vocab:
+            return torch.arange(self.config.vocab_size, device=self.device)
+        return self.draft_vocab
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Limit drafting to ``token_ids`` (for example the most frequent tokens of the training data)."""
+        ids = sorted_draft_token_ids(token_ids, self.config.vocab_size)
+        if ids.numel() >= self.config.vocab_size:
+            if hasattr(self, "draft_vocab"):
+                del self.draft_vocab
+            self.config.draft_vocab_size = None
+            return
+        self.config.draft_vocab_size = ids.numel()
+        self.register_buffer("draft_vocab", ids.to(self.final_norm.weight.device))
 
     @classmethod
     def from_target(
-        cls, target: PreTrainedModel, block_size: int = 8, mask_token_id: int | None = None, **overrides
+        cls, target: PreTrainedModel, block_size: int = 8, mask_token_id: int | None = None,
+        draft_token_ids: list[int] | torch.Tensor | None = None, **overrides
     ) -> "DFlyDrafter":
         """A fresh (untrained) drafter sized and bound for ``target``.
 
         The mask token defaults to the target's ``unk_token_id`` when it is not also its
         BOS/EOS/PAD token, else to the last vocabulary id: any id the target does not emit works.
+        ``draft_token_ids`` limits drafting to those target tokens (see `set_draft_vocab`).
         """
         if mask_token_id is None:
             mask_token_id = default_mask_token_id(target)
         config = cls.config_from_target(target, block_size=block_size, mask_token_id=mask_token_id, **overrides)
-        return cls(config).to(device=target.device)
+        drafter = cls(config).to(device=target.device)
+        if draft_token_ids is not None:
+            drafter.set_draft_vocab(draft_token_ids)
+        return drafter
 
 
 def default_mask_token_id(target: PreTrainedModel) -> int:
@@ -177,6 +214,7 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.draft_lm_head = self.drafter.draft_head(self.lm_head)
 
     def ingest(self, input_ids, features):
         positions = torch.arange(self.committed, self.committed + features[0].shape[1], device=input_ids.device)[None]
@@ -199,13 +237,13 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
         z = drafter(self.embed_tokens(block_ids).to(drafter.dtype), positions, self.context_kv, mask)[:, 1 : num_tokens + 1]
         # Without the correction head every position's logits are known at once: one lm_head call
         # (the head is memory-bound, so k rows cost about what one row does).
-        logits_all = drafter.logits(z, self.lm_head) if drafter.hidden_correction is None else None
+        logits_all = drafter.logits(z, self.draft_lm_head) if drafter.hidden_correction is None else None
         ids, previous = input_ids, anchor
         tokens, all_logits = [], []
         for index in range(num_tokens):
             if logits_all is None:
                 hidden = drafter.correct(z[:, index], self.embed_tokens(previous).to(drafter.dtype)[:, 0])
-                position_logits = drafter.logits(hidden, self.lm_head)
+                position_logits = drafter.logits(hidden, self.draft_lm_head)
             else:
                 position_logits = logits_all[:, index]
             logits, token = self.select(ids, position_logits)

@@ -100,13 +100,30 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
     return runs
 
 
+ROUTER = "router (online, all drafters)"
+
+
+def engine_configurations(drafters: dict[str, object], cost_model=None) -> list[tuple[str, object, bool]]:
+    """(name, drafter or {name: drafter}, batch D-cut?) per engine row: AR, each drafter with and
+    without D-cut, and with several drafters the online router over all of them (with D-cut)."""
+    rows = [(AR, None, False)]
+    for name, drafter in drafters.items():
+        rows.append((name, drafter, False))
+        if cost_model is not None:
+            rows.append((f"{name} + D-cut", drafter, True))
+    if len(drafters) > 1:
+        rows.append((ROUTER, dict(drafters), cost_model is not None))
+    return rows
+
+
 def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
-                    max_new_tokens: int, levels: list[int], references: dict) -> list[dict]:
+                    max_new_tokens: int, levels: list[int], references: dict, cost_model=None) -> list[dict]:
     """All prompts through the batched engine at each concurrency: throughput and losslessness.
 
-    Speedups are against the engine's own plain batched decoding at the same concurrency.
+    Speedups are against the engine's own plain batched decoding at the same concurrency. The
+    prompts of all domains are served together, in domain order, so the router faces a mixed workload.
     """
-    from .generation import SpeculativeEngine
+    from .generation import BatchDCutPolicy, SpeculativeEngine
 
     prompts = benchmark_prompts(domains, per_set)
     ids = [chat_inputs(tokenizer, prompt)["input_ids"][0].tolist() for _, _, prompt in prompts]
@@ -114,8 +131,9 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
     rows = []
     for level in levels:
         baseline = None
-        for name, drafter in [(AR, None), *drafters.items()]:
-            engine = SpeculativeEngine(target, drafter, max_batch_size=level)
+        for name, drafter, cut in engine_configurations(drafters, cost_model):
+            policy = BatchDCutPolicy(cost_model) if cut else None
+            engine = SpeculativeEngine(target, drafter, max_batch_size=level, policy=policy)
             start = time.perf_counter()
             outputs = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
             seconds = time.perf_counter() - start
@@ -127,6 +145,8 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
                 "method": name, "concurrency": level, "prompts": len(ids), "tokens_per_s": rate,
                 "speedup": rate / baseline, "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
                 "lossless": all(out == references.get((d, i)) for out, (d, i, _) in zip(outputs, prompts)),
+                "drafting_steps": len(policy.windows) if policy is not None else None,
+                "drafters_chosen": sorted({entry["drafter"] for entry in engine.stats}) if isinstance(drafter, dict) else None,
             })
             logger.info("concurrency %d, %s: %.1f tokens/s", level, name, rate)
     return rows

@@ -58,7 +58,7 @@ def run_bench(args: argparse.Namespace) -> int:
     per_set, max_new_tokens = (2, 64) if args.quick else (args.per_set, args.max_new_tokens)
     from .generation import load_or_profile
 
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, args.dtype)
     drafters = bench_drafters(target, Path(args.modeling_dir), args.drafter)
     cost_model = None if args.no_dcut else load_or_profile(target, target_display_name(args.target))
     references: dict = {}
@@ -66,16 +66,20 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = summarise(runs)
     print(format_table(rows))
     levels = [] if args.quick else args.concurrency
-    concurrency = run_concurrency(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, levels, references)
+    concurrency = run_concurrency(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, levels, references,
+                                  cost_model)
     if concurrency:
         print()
         print(format_table(concurrency, group="concurrency"))
     report = Path(args.report)
-    write_report(runs, rows, report, {"target": target_display_name(args.target), "per_set": per_set,
+    write_report(runs, rows, report, {"target": target_display_name(args.target), "dtype": args.dtype, "per_set": per_set,
                                       "max_new_tokens": max_new_tokens}, concurrency)
     chart = report.with_suffix(".png")
     print(f"report written to {report}" + (f", chart to {chart}" if write_chart(rows, chart) else ""))
     return 0 if all(row["lossless"] for row in rows + concurrency) else 1
+
+
+DTYPES = ("float32", "bfloat16")
 
 
 def target_display_name(name: str) -> str:
@@ -88,10 +92,12 @@ def run_profile(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, _ = load_target(args.target)
+    target, _ = load_target(args.target, args.dtype)
     model = load_or_profile(target, target_display_name(args.target), refresh=True)
-    for tokens, row in zip(model.tokens, model.seconds):
-        print(f"{tokens:3d} new tokens: " + "  ".join(f"ctx {c}: {s * 1000:7.1f} ms" for c, s in zip(model.contexts, row)))
+    for batch, grid in zip(model.batch_sizes, model.seconds):
+        for tokens, row in zip(model.tokens, grid):
+            print(f"batch {batch:2d}, {tokens:3d} new tokens: "
+                  + "  ".join(f"ctx {c}: {s * 1000:7.1f} ms" for c, s in zip(model.contexts, row)))
     print(f"profile written to {profile_path(model.target)}")
     return 0
 
@@ -115,13 +121,14 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_target(name: str):
+def load_target(name: str, dtype: str = "float32"):
     """``reference`` (the bundled SmolLM2-135M-Instruct) or a local directory / cached Hub id."""
     if name == "reference":
-        return load_reference_target()
+        target, tokenizer = load_reference_target()
+        return target.to(getattr(torch, dtype)), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(name)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval(), AutoTokenizer.from_pretrained(name)
 
 
 def run_rollouts(args: argparse.Namespace) -> int:
@@ -170,6 +177,31 @@ def run_train(args: argparse.Namespace) -> int:
     if args.eval_per_set:
         domains = ["chat"] if RECIPES[args.recipe][0] == "mtp" else ["code", "math"]
         evaluate_into_card(target, tokenizer, Path(args.output) / "final", domains, args.eval_per_set, 128)
+    return 0
+
+
+def run_draft_vocab(args: argparse.Namespace) -> int:
+    from .training.data import framed_code_sequences, rollout_sequences
+    from .training.recipes import frequent_token_ids, token_counts
+
+    target, tokenizer = load_target(args.target)
+    drafter = AutoModel.from_pretrained(args.drafter).eval()
+    if drafter.config.model_type != "angelspec_dfly":
+        raise SystemExit(f"{args.drafter}: only DFly-family drafters take a draft vocabulary after training; "
+                         "an MTP drafter learns its reduced head, so pass --draft-vocab-size to `train`.")
+    files = [f for directory in args.data for f in sorted(Path(directory).glob("*.jsonl"))]
+    rows = rollout_sequences(files, seq_len=args.rollout_length) if files else []
+    if args.corpus_tokens:
+        rows += framed_code_sequences(tokenizer, seq_len=320, max_tokens=args.corpus_tokens)
+    if not rows:
+        raise SystemExit("no data to count tokens in: give --data with rollouts and/or --corpus-tokens > 0")
+    counts = token_counts(rows, drafter.config.vocab_size)
+    ids = frequent_token_ids(counts, args.size)
+    drafter.set_draft_vocab(ids)
+    covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
+    drafter.save_pretrained(args.drafter)
+    print(f"{args.drafter}: drafts over {ids.numel()} tokens, covering {covered:.2%} of {counts.sum().item()} "
+          f"response tokens counted")
     return 0
 
 
@@ -224,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--drafter", action="append", default=[], help="another drafter directory (repeatable)")
     bench.add_argument("--report", default="reports/bench.json")
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bench.add_argument("--dtype", default="float32", choices=DTYPES,
+                       help="target (and drafter) compute dtype; bfloat16 pays off on CPUs with AMX")
     bench.add_argument("--no-dcut", action="store_true", help="skip the D-cut rows (and the cost profile)")
     bench.add_argument("--concurrency", type=int, nargs="*", default=[4, 16],
                        help="engine concurrency levels to measure (none with --quick)")
@@ -246,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile = commands.add_parser("profile", help="measure the target's forward cost on this hardware for D-cut")
     profile.add_argument("--target", default="reference")
     profile.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    profile.add_argument("--dtype", default="float32", choices=DTYPES)
     profile.set_defaults(handler=run_profile)
 
     rollouts = commands.add_parser("rollouts", help="greedy target responses to the training split of prompt sets")
@@ -269,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--corpus-tokens", type=int, default=None,
                        help="tokens of framed standard-library code (default: 400k for block recipes, 0 for MTP)")
     train.add_argument("--draft-tokens", type=int, default=defaults.num_draft_tokens, help="MTP draft/TTT depth")
-    train.add_argument("--draft-vocab-size", type=int, default=None, help="MTP reduced vocabulary size")
+    train.add_argument("--draft-vocab-size", type=int, default=None, help="reduced draft vocabulary size (the most frequent tokens of the data)")
     train.add_argument("--corpus-length", type=int, default=320)
     train.add_argument("--rollout-length", type=int, default=448)
     train.add_argument("--output", required=True)
@@ -285,6 +320,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-per-set", type=int, default=4,
                        help="held-out prompts per set measured at the end and written into the model card (0: skip)")
     train.set_defaults(handler=run_train)
+
+    vocab = commands.add_parser("draft-vocab", help="limit a trained DFly drafter to the most frequent tokens (faster drafting)")
+    vocab.add_argument("drafter", help="drafter directory, rewritten in place")
+    vocab.add_argument("--target", default="reference")
+    vocab.add_argument("--data", nargs="*", default=["data/rollouts/SmolLM2-135M-Instruct", "data/rollouts/SmolLM2-135M-Instruct-chat"],
+                       help="directories of rollout JSONL files whose response tokens are counted")
+    vocab.add_argument("--corpus-tokens", type=int, default=400_000, help="tokens of framed standard-library code also counted")
+    vocab.add_argument("--rollout-length", type=int, default=448)
+    vocab.add_argument("--size", type=int, default=8192, help="draft vocabulary size")
+    vocab.set_defaults(handler=run_draft_vocab)
 
     evaluate = commands.add_parser("eval", help="tau per domain through generate, greedy, with an identity check")
     evaluate.add_argument("--drafter", required=True)

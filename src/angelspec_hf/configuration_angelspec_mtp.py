@@ -10,28 +10,18 @@ class MTPDrafterConfig(AngelSpecDrafterConfig):
     Args:
         num_draft_tokens: tokens drafted per round at inference (the TTT depth D by default).
         ttt_steps: how many draft steps training unrolls on the drafter's own predictions.
-        draft_vocab_size: size of a reduced draft vocabulary (EAGLE-3 ``d2t``/``t2d``); ``None``
-            drafts over the target's full vocabulary through its own ``lm_head``.
+        draft_vocab_size: (common field) a reduced draft vocabulary gets its own ``lm_head`` and
+            EAGLE-3 ``d2t``/``t2d`` maps; ``None`` drafts through the target's ``lm_head``.
     """
 
     model_type = "angelspec_mtp"
 
     num_draft_tokens: int = 3
     ttt_steps: int = 3
-    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs):
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise DrafterConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
         if not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
             raise DrafterConfigError(f"ttt_steps must be an integer >= 1, got {self.ttt_steps!r}.")
-        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise DrafterConfigError(
-                f"draft_vocab_size must be between 1 and the target vocabulary ({self.vocab_size}), "
-                f"got {self.draft_vocab_size!r}; use None for the full vocabulary."
-            )
         super().__post_init__(**kwargs)
-
-    @property
-    def uses_reduced_vocab(self) -> bool:
-        return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size

@@ -25,6 +25,7 @@ from .configuration_angelspec_common import AngelSpecDrafterConfig
 from .errors import (
     AngelSpecError,
     BatchSizeNotSupportedError,
+    DrafterConfigError,
     DrafterCheckpointError,
     DrafterTargetMismatchError,
     UnsupportedCacheError,
@@ -103,6 +104,42 @@ def causal_mask_with_prefix(num_queries: int, num_prefix: int, device: torch.dev
 
 
 # --------------------------------------------------------------------------- target binding
+
+
+def expand_to_vocab(logits: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 logits over the full vocabulary from logits over ``token_ids``; other tokens get -inf.
+
+    -inf (probability 0 under the draft) keeps speculative sampling exact: such tokens are never
+    drafted, and the residual distribution restores the target's mass on them.
+    """
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"), dtype=torch.float32)
+    full[..., token_ids] = logits.float()
+    return full
+
+
+def sorted_draft_token_ids(token_ids, vocab_size: int, draft_vocab_size: int | None = None) -> torch.Tensor:
+    """Validated, sorted, unique target ids of a reduced draft vocabulary."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique(sorted=True)
+    if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise DrafterConfigError(f"draft_token_ids must be a non-empty set of ids in 0..{vocab_size - 1}.")
+    if draft_vocab_size is not None and draft_vocab_size != ids.numel():
+        raise DrafterConfigError(
+            f"draft_vocab_size={draft_vocab_size} disagrees with the {ids.numel()} distinct draft_token_ids given."
+        )
+    return ids
+
+
+class VocabSubsetHead:
+    """The rows of a target ``lm_head`` for a draft vocabulary, gathered once per generate call."""
+
+    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor, vocab_size: int):
+        self.weight = lm_head.weight.detach()[token_ids]
+        bias = getattr(lm_head, "bias", None)
+        self.bias = None if bias is None else bias.detach()[token_ids]
+        self.token_ids, self.vocab_size = token_ids, vocab_size
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return expand_to_vocab(F.linear(hidden, self.weight, self.bias), self.token_ids, self.vocab_size)
 
 
 def embedding_fingerprint(weight: torch.Tensor) -> list[float]:

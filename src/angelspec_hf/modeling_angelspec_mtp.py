@@ -10,7 +10,6 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration_angelspec_mtp import MTPDrafterConfig
-from .errors import DrafterConfigError
 from .modeling_angelspec_common import (
     AngelSpecCandidateGenerator,
     AngelSpecPreTrainedModel,
@@ -18,7 +17,9 @@ from .modeling_angelspec_common import (
     SwiGLU,
     apply_rotary,
     attend,
+    expand_to_vocab,
     rotary_cos_sin,
+    sorted_draft_token_ids,
     split_heads,
 )
 
@@ -119,9 +120,7 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         draft = self.vocab_logits(hidden, target_lm_head)
         if self.lm_head is None:
             return draft
-        full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"), dtype=torch.float32)
-        full[..., self.draft_token_ids()] = draft.float()
-        return full
+        return expand_to_vocab(draft, self.draft_token_ids(), self.config.vocab_size)
 
     @classmethod
     def from_target(
@@ -139,11 +138,8 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         vocabularies put frequent merges first). Its ``lm_head`` starts from the target's rows.
         """
         if draft_token_ids is not None:
-            draft_token_ids = torch.as_tensor(draft_token_ids, dtype=torch.long).unique(sorted=True)
-            if draft_vocab_size is not None and draft_vocab_size != draft_token_ids.numel():
-                raise DrafterConfigError(
-                    f"draft_vocab_size={draft_vocab_size} disagrees with the {draft_token_ids.numel()} draft_token_ids given."
-                )
+            vocab_size = target.config.get_text_config().vocab_size
+            draft_token_ids = sorted_draft_token_ids(draft_token_ids, vocab_size, draft_vocab_size)
             draft_vocab_size = draft_token_ids.numel()
         config = cls.config_from_target(
             target, num_draft_tokens=num_draft_tokens, ttt_steps=overrides.pop("ttt_steps", num_draft_tokens),
@@ -152,8 +148,6 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         drafter = cls(config).to(device=target.device)
         if config.uses_reduced_vocab:
             ids = draft_token_ids if draft_token_ids is not None else torch.arange(draft_vocab_size)
-            if ids.min() < 0 or ids.max() >= config.vocab_size:
-                raise DrafterConfigError(f"draft_token_ids must lie in 0..{config.vocab_size - 1}.")
             drafter.set_draft_vocab(ids.to(target.device), target.get_output_embeddings().weight)
         return drafter
 

@@ -3,10 +3,11 @@ the modeling files so that they ship as remote code): the hardware cost model, D
 batched engine."""
 
 from .cost_model import CostModel, load_or_profile, profile_target
-from .dcut import DCutPolicy, FixedLengthPolicy
+from .dcut import BatchDCutPolicy, DCutPolicy, FixedLengthPolicy
 from .engine import EngineRequestError, SpeculativeEngine
 
 __all__ = [
+    "BatchDCutPolicy",
     "CostModel",
     "DCutPolicy",
     "EngineRequestError",

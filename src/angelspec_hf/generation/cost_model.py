@@ -1,9 +1,10 @@
-"""What a target forward costs on this hardware: ``C(new_tokens, context)`` at batch 1.
+"""What a target forward costs on this hardware: ``C(batch, new_tokens, context)``.
 
-Verification is not free even at batch 1 (on 2 CPU cores 8 new tokens cost about twice one), so
-D-cut needs the real curve. ``profile_target`` measures a grid (warm-up, medians, progress bar),
-``CostModel`` interpolates it, monotone in both axes, and saves as JSON keyed by target and
-hardware; loading a profile made on other hardware warns.
+Verification is not free even at batch 1 (on 2 CPU cores 8 new tokens cost about twice one), and
+with many requests a CPU is compute-bound, so every drafted slot costs nearly what a decoded
+token does: D-cut needs the real surface. ``profile_target`` measures a grid (warm-up, medians,
+progress bar), ``CostModel`` interpolates it, monotone along every axis, and saves it as JSON
+keyed by target and hardware; loading a profile made on other hardware warns.
 """
 
 from __future__ import annotations
@@ -31,23 +32,40 @@ def hardware_id() -> str:
 
 @dataclass
 class CostModel:
-    """Seconds of one target forward verifying ``tokens[i]`` new tokens at context ``contexts[j]``."""
+    """Seconds of one target forward of ``batch_sizes[b]`` rows, each verifying ``tokens[i]`` new
+    tokens at context ``contexts[j]``: ``seconds[b][i][j]``.
+
+    A profile without ``batch_sizes`` (the batch-1 format) is read as batch 1 with a 2-D grid.
+    """
 
     target: str
     hardware: str
     tokens: list[int]
     contexts: list[int]
-    seconds: list[list[float]]  # [len(tokens)][len(contexts)]
+    seconds: list  # [len(batch_sizes)][len(tokens)][len(contexts)]
+    batch_sizes: list[int] | None = None
 
     def __post_init__(self):
-        # Monotone: more tokens or more context never costs less (measurement noise aside).
+        if self.batch_sizes is None:
+            self.batch_sizes, self.seconds = [1], [self.seconds]
         grid = torch.tensor(self.seconds, dtype=torch.float64)
-        grid = torch.cummax(torch.cummax(grid, dim=0).values, dim=1).values
+        expected = (len(self.batch_sizes), len(self.tokens), len(self.contexts))
+        if tuple(grid.shape) != expected:
+            raise ValueError(f"cost profile grid has shape {tuple(grid.shape)}, expected {expected} "
+                             "(batch sizes x tokens x contexts); re-run `angelspec-hf profile`.")
+        # Monotone: more rows, tokens or context never cost less (measurement noise aside).
+        for axis in range(3):
+            grid = torch.cummax(grid, dim=axis).values
         self.seconds = grid.tolist()
 
-    def verify_seconds(self, new_tokens: int, context: int) -> float:
-        """Linear interpolation in both axes, clamped at the grid's edges."""
-        return _interpolate_2d(self.tokens, self.contexts, self.seconds, new_tokens, context)
+    def verify_seconds(self, new_tokens: int, context: int, batch: int = 1) -> float:
+        """Linear interpolation on every axis, clamped at the grid's edges, except that batches
+        beyond the largest profiled one scale linearly (a CPU is compute-bound there)."""
+        largest = self.batch_sizes[-1]
+        b0, b1, tb = _interpolate_1d(self.batch_sizes, min(batch, largest))
+        at = [_interpolate_2d(self.tokens, self.contexts, self.seconds[b], new_tokens, context) for b in (b0, b1)]
+        seconds = at[0] * (1 - tb) + at[1] * tb
+        return seconds * batch / largest if batch > largest else seconds
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -73,10 +91,14 @@ def profile_path(target_name: str) -> Path:
 
 
 def load_or_profile(target, target_name: str, refresh: bool = False) -> CostModel:
-    """The saved profile of this target on this hardware, measuring it first if there is none."""
+    """The saved profile of this target (in its dtype) on this hardware, measuring it first if there is none."""
+    target_name = f"{target_name}@{str(target.dtype).removeprefix('torch.')}"
     path = profile_path(target_name)
     if path.exists() and not refresh:
-        return CostModel.load(path)
+        model = CostModel.load(path)
+        if len(model.batch_sizes) > 1:
+            return model
+        logger.info("The saved profile %s has no batch axis (an older format): profiling again.", path)
     model = profile_target(target, target_name)
     model.save(path)
     logger.info("Saved the cost profile to %s", path)
@@ -113,22 +135,25 @@ def _median_seconds(function, repeats: int) -> float:
 
 
 @torch.no_grad()
-def profile_target(target, name: str, tokens=(1, 2, 4, 8, 16), contexts=(64, 256, 768), repeats: int = 5) -> CostModel:
-    """Measure the target's forward time over a grid of new tokens x context length (batch 1)."""
+def profile_target(target, name: str, tokens=(1, 2, 4, 8, 16), contexts=(64, 256, 768),
+                   batch_sizes=(1, 4, 16), repeats: int = 5) -> CostModel:
+    """Measure the target's forward time over a grid of batch size x new tokens x context length."""
     vocab = target.config.get_text_config().vocab_size
     device = target.device
-    grid = [[0.0] * len(contexts) for _ in tokens]
-    with tqdm(total=len(tokens) * len(contexts), desc="profiling target", unit="point") as bar:
-        for j, context in enumerate(contexts):
-            cache = DynamicCache(config=target.config)
-            target(torch.randint(0, vocab, (1, context), device=device), past_key_values=cache, use_cache=True)
-            for i, count in enumerate(tokens):
-                new = torch.randint(0, vocab, (1, count), device=device)
+    grid = [[[0.0] * len(contexts) for _ in tokens] for _ in batch_sizes]
+    with tqdm(total=len(batch_sizes) * len(tokens) * len(contexts), desc="profiling target", unit="point") as bar:
+        for b, batch in enumerate(batch_sizes):
+            for j, context in enumerate(contexts):
+                cache = DynamicCache(config=target.config)
+                target(torch.randint(0, vocab, (batch, context), device=device), past_key_values=cache, use_cache=True)
+                for i, count in enumerate(tokens):
+                    new = torch.randint(0, vocab, (batch, count), device=device)
 
-                def step():
-                    target(new, past_key_values=cache, use_cache=True)
-                    cache.crop(-count)
+                    def step():
+                        target(new, past_key_values=cache, use_cache=True)
+                        cache.crop(-count)
 
-                grid[i][j] = _median_seconds(step, repeats)
-                bar.update(1)
-    return CostModel(target=name, hardware=hardware_id(), tokens=list(tokens), contexts=list(contexts), seconds=grid)
+                    grid[b][i][j] = _median_seconds(step, repeats)
+                    bar.update(1)
+    return CostModel(target=name, hardware=hardware_id(), tokens=list(tokens), contexts=list(contexts), seconds=grid,
+                     batch_sizes=list(batch_sizes))

@@ -1,4 +1,4 @@
-"""D-cut at batch 1: where to cut each draft, and when not to draft at all.
+"""D-cut: where to cut each draft, and when not to draft at all, at batch 1 and across a batch.
 
 Each drafted position j has a confidence ``c_j`` (the draft probability of its token), calibrated
 online against observed acceptance; the survival ``s_j = prod_{i<=j} c_i`` is the expected
@@ -12,6 +12,12 @@ every depth even when the current estimate says to cut short.
 
 The candidate generators look for ``drafter.draft_policy`` (duck-typed: ``should_draft``,
 ``choose``, ``observe``); drafters without one draft their fixed length.
+
+`BatchDCutPolicy` is the same idea for `SpeculativeEngine`: the verify window is a budget shared by
+all active requests, priced by the batch-aware cost model ``C(batch, window, context)``; the
+window is widened only while the survivals it admits, summed over requests, raise expected tokens
+per second, and drafting stops for the whole batch when it has not been paying (on a CPU at
+concurrency 16 a forward is compute-bound and drafted slots are rarely worth their cost).
 """
 
 from __future__ import annotations
@@ -65,9 +71,23 @@ def best_cut(confidences: list[float], verify_seconds) -> int:
 
     Drafting time is sunk when the cut is chosen, so only verification enters.
     """
-    survival = survival_of(confidences)
-    rates = [expected_tokens(survival, k) / verify_seconds(k + 1) for k in range(len(confidences) + 1)]
-    return max(range(len(rates)), key=rates.__getitem__)
+    return best_window([survival_of(confidences)], verify_seconds) - 1
+
+
+def best_window(survivals: list[list[float]], verify_seconds) -> int:
+    """The verify window (pending token plus drafts per row) that maximises expected tokens per
+    second for a batch: ``sum_r (1 + sum_{j<w} s_rj) / verify(w)``.
+
+    In a padded batch every row's window is as wide as the widest one, so once a width is paid
+    each row keeps all its drafts up to it; only the width is chosen. Rows without drafts still
+    gain their one token per forward.
+    """
+    longest = max((len(s) for s in survivals), default=0)
+
+    def rate(width: int) -> float:
+        return sum(expected_tokens(s, width - 1) for s in survivals) / verify_seconds(width)
+
+    return max(range(1, longest + 2), key=rate)
 
 
 def worth_extending(survival: list[float], verify_seconds) -> bool:
@@ -98,21 +118,17 @@ class FixedLengthPolicy:
         pass
 
 
-class DCutPolicy:
-    """Cost-aware draft cutting for one drafter at batch 1 (see the module docstring)."""
+class _DraftGate:
+    """Stops drafting while it has not been paying and retries every ``explore_every`` rounds."""
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2):
         self.cost_model = cost_model
         self.calibrator = Calibrator()
         self.explore_every = explore_every
         self.smoothing = smoothing
-        self.draft_seconds: float | None = None  # moving average of one round's drafting time
         self.efficiency: float | None = None  # moving average of (tokens/s drafting) / (tokens/s plain)
         self.skipped = 0
         self.decisions = 0
-
-    def verify(self, context: int):
-        return lambda tokens: self.cost_model.verify_seconds(tokens, context)
 
     def should_draft(self) -> bool:
         if self.efficiency is None or self.efficiency >= 1.0:
@@ -122,6 +138,20 @@ class DCutPolicy:
             self.skipped = 0
             return True
         return False
+
+    def _record_rate(self, tokens_per_second: float, plain_tokens_per_second: float) -> None:
+        self.efficiency = _moving(self.efficiency, tokens_per_second / plain_tokens_per_second, self.smoothing)
+
+
+class DCutPolicy(_DraftGate):
+    """Cost-aware draft cutting for one drafter at batch 1 (see the module docstring)."""
+
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2):
+        super().__init__(cost_model, explore_every, smoothing)
+        self.draft_seconds: float | None = None  # moving average of one round's drafting time
+
+    def verify(self, context: int):
+        return lambda tokens: self.cost_model.verify_seconds(tokens, context)
 
     def keep_drafting(self, confidences: list[float], context: int) -> bool:
         """Asked after each drafted token, so that sequential drafters stop early (exploration rounds never do)."""
@@ -142,9 +172,51 @@ class DCutPolicy:
             self.calibrator.update(confidence, position < accepted)
         self.draft_seconds = _moving(self.draft_seconds, draft_seconds, self.smoothing)
         verify = self.verify(context)
-        rate = (accepted + 1) / (draft_seconds + verify(len(confidences) + 1))
-        self.efficiency = _moving(self.efficiency, rate * verify(1), self.smoothing)
+        self._record_rate((accepted + 1) / (draft_seconds + verify(len(confidences) + 1)), 1 / verify(1))
 
 
 def _moving(average: float | None, value: float, smoothing: float) -> float:
     return value if average is None else (1 - smoothing) * average + smoothing * value
+
+
+class BatchDCutPolicy(_DraftGate):
+    """D-cut across the requests of a batched engine step (see the module docstring).
+
+    The engine calls `should_draft` before drafting, `window` with every drafting row's raw
+    confidences after it, and `observe` once the step's forward has been verified.
+    """
+
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2):
+        super().__init__(cost_model, explore_every, smoothing)
+        self.windows: list[int] = []  # chosen window of every drafting step, for reports
+
+    def verify(self, batch: int, context: int):
+        return lambda width: self.cost_model.verify_seconds(width, context, batch)
+
+    def window(self, confidences: list[list[float]], batch: int, context: int) -> int:
+        """Verify window for this step (1 = no drafts); ``confidences`` of the rows that drafted.
+
+        Every ``explore_every``-th decision keeps whole drafts, so calibration sees every depth.
+        """
+        self.decisions += 1
+        longest = max((len(c) for c in confidences), default=0)
+        if self.decisions % self.explore_every == 0:
+            width = longest + 1
+        else:
+            survivals = [survival_of([self.calibrator(c) for c in row]) for row in confidences]
+            survivals += [[]] * (batch - len(confidences))
+            width = best_window(survivals, self.verify(batch, context))
+        self.windows.append(width)
+        return width
+
+    def observe(self, kept: list[tuple[list[float], int]], batch: int, width: int, context: int,
+                draft_seconds: float) -> None:
+        """Learn from a verified step: per drafting row its kept confidences and accepted count,
+        plus what the step's drafting cost in total."""
+        gained = batch
+        for confidences, accepted in kept:
+            for position, confidence in enumerate(confidences[: accepted + 1]):
+                self.calibrator.update(confidence, position < accepted)
+            gained += accepted
+        verify = self.verify(batch, context)
+        self._record_rate(gained / (draft_seconds + verify(width)), batch / verify(1))

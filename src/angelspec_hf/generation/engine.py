@@ -35,6 +35,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import AngelSpecError, UnsupportedCacheError
+from .dcut import FixedLengthPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +86,12 @@ class SpeculativeEngine:
 
     >>> engine = SpeculativeEngine(target, drafter, max_batch_size=16)
     >>> outputs = engine.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=128)
+
+    With ``policy=BatchDCutPolicy(load_or_profile(target, name))`` the verify window of every
+    step is chosen across the batch and drafting stops when it does not pay.
     """
 
-    def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2):
+    def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2, policy=None):
         if drafter is None:
             drafters = {}
         elif isinstance(drafter, dict):
@@ -99,6 +103,9 @@ class SpeculativeEngine:
         self.target, self.drafters, self.max_batch_size = target.eval(), drafters, max_batch_size
         self.route = isinstance(drafter, dict)
         self.probe_rounds = probe_rounds
+        # A batch policy (`BatchDCutPolicy`) sizes each step's verify window across requests and
+        # may skip drafting; without one every row's draft is verified whole.
+        self.policy = policy
         text = target.config.get_text_config()
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.layer_ids = sorted({i for model in drafters.values() for i in model.config.target_layer_ids})
@@ -259,6 +266,9 @@ class SpeculativeEngine:
         generator = drafter.get_candidate_generator(target=self.target, generation_config=config,
                                                     logits_processor=self.processors)
         generator.update_candidate_strategy(None, None, 0)  # the prefill round
+        if self.policy is not None:
+            # The batch policy cuts; the row's generator only reports its confidences.
+            generator.policy = FixedLengthPolicy()
         return generator
 
     def _assign_drafters(self, row: _Row) -> None:
@@ -293,6 +303,9 @@ class SpeculativeEngine:
     def _step(self, rows, cache, valid, eos):
         """One verify forward for every active row: draft, verify, accept, mask the rejected slots."""
         active = [not self._finished(row, eos) for row in rows]
+        policy = self.policy
+        drafting = any(row.generator is not None for row, a in zip(rows, active) if a)
+        drafting = drafting and (policy is None or policy.should_draft())
         drafts = []
         for row, is_active in zip(rows, active):
             row.draft_seconds = 0.0
@@ -303,18 +316,25 @@ class SpeculativeEngine:
             start = time.perf_counter()
             for generator in row.generators.values():
                 generator.observe_outputs(ids, row.outputs)
-            if row.generator is None:
+            if row.generator is None or not drafting:
                 drafts.append([])
             else:
                 candidates, row.draft_logits = row.generator.propose(ids)
                 drafts.append(candidates[0, len(row.tokens):].tolist())
             row.draft_seconds = time.perf_counter() - start
+        batch, context = sum(active), valid.shape[1]
         width = 1 + max(len(d) for d in drafts)
+        if policy is not None and width > 1:
+            confidences = [row.generator.last_confidences or [] for row, d in zip(rows, drafts) if d]
+            width = policy.window(confidences, batch, context)
+            drafts = [d[: width - 1] for d in drafts]
+            for row in rows:
+                if row.draft_logits is not None:
+                    row.draft_logits = row.draft_logits[:, : width - 1]
         device = self.target.device
-        batch = len(rows)
-        ids = torch.zeros(batch, width, dtype=torch.long, device=device)
-        window_valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
-        positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        window_valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        positions = torch.zeros(len(rows), width, dtype=torch.long, device=device)
         for i, (row, draft) in enumerate(zip(rows, drafts)):
             window = [row.tokens[-1]] + draft
             ids[i, : len(window)] = torch.tensor(window, device=device)
@@ -325,10 +345,13 @@ class SpeculativeEngine:
         out = self._forward(ids, mask, positions, cache)
         verify_share = (time.perf_counter() - start) / max(sum(active), 1)
         kept = torch.zeros_like(window_valid)
+        outcomes = []  # (kept confidences, accepted) of the rows that drafted, for the policy
         for i, (row, draft) in enumerate(zip(rows, drafts)):
             if not active[i]:
                 continue
             new = self._accept(row, draft, out.logits[i])
+            if draft and policy is not None:
+                outcomes.append(((row.generator.last_confidences or [])[: len(draft)], len(new) - 1))
             budget = row.max_new_tokens - row.new_tokens
             new = new[:budget]
             for j, token in enumerate(new):
@@ -344,4 +367,6 @@ class SpeculativeEngine:
                     row.generator.update_candidate_strategy(None, None, len(new) - 1)
                 row.outputs = self._row_outputs(out, i)
                 self._score(row, len(new), row.draft_seconds + verify_share)
+        if policy is not None and drafting:
+            policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows))
         return cache, torch.cat([valid, kept], dim=1)

@@ -36,7 +36,8 @@ RECIPES = {
 @dataclass
 class Recipe:
     """One training run. ``block_size``/``num_hidden_layers`` apply to block drafters,
-    ``num_draft_tokens`` (also the TTT depth) and ``draft_vocab_size`` to MTP drafters."""
+    ``num_draft_tokens`` (also the TTT depth) to MTP drafters, ``draft_vocab_size`` to both (MTP
+    learns its own reduced head; DFly drafts with those rows of the target's head)."""
 
     name: str = "dfly-code"
     block_size: int = 8
@@ -81,18 +82,26 @@ def training_arguments(recipe: Recipe, output_dir: Path, steps: int, learning_ra
 def new_drafter(target, recipe: Recipe, token_counts: torch.Tensor | None = None):
     """A fresh drafter of the recipe's family, sized for ``target``.
 
-    A reduced MTP vocabulary keeps the ``draft_vocab_size`` most frequent tokens of ``token_counts``.
+    A reduced vocabulary keeps the ``draft_vocab_size`` most frequent tokens of ``token_counts``.
     """
     family, overrides, _ = RECIPES[recipe.name]
-    if family == "dfly":
-        return DFlyDrafter.from_target(target, block_size=recipe.block_size,
-                                       num_hidden_layers=recipe.num_hidden_layers, **overrides)
     ids = None
     if recipe.draft_vocab_size is not None and token_counts is not None:
-        ids = token_counts.topk(recipe.draft_vocab_size).indices
+        ids = frequent_token_ids(token_counts, recipe.draft_vocab_size)
+    if family == "dfly":
+        if recipe.draft_vocab_size is not None and ids is None:
+            ids = torch.arange(recipe.draft_vocab_size)
+        return DFlyDrafter.from_target(target, block_size=recipe.block_size, draft_token_ids=ids,
+                                       num_hidden_layers=recipe.num_hidden_layers, **overrides)
     return MTPDrafter.from_target(target, num_draft_tokens=recipe.num_draft_tokens,
                                   draft_vocab_size=None if ids is not None else recipe.draft_vocab_size,
                                   draft_token_ids=ids, **overrides)
+
+
+def frequent_token_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids; ties (unseen tokens above all) go to lower ids, which
+    byte-pair vocabularies give to more frequent merges."""
+    return torch.argsort(counts, descending=True, stable=True)[:size]
 
 
 def token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
