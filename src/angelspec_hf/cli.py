@@ -111,12 +111,28 @@ def run_push(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from .interop import export_dflash, load_dflash
+    from .interop import export_angelspec, export_dflash, export_eagle3, load_angelspec, load_dflash, load_eagle3
 
+    target = load_target(args.target)[0] if args.target else None
     if args.to == "dflash":
         export_dflash(AutoModel.from_pretrained(args.source), args.destination)
+    elif args.to == "eagle3":
+        export_eagle3(AutoModel.from_pretrained(args.source), args.destination, target=target)
+    elif args.to == "angelspec":
+        export_angelspec(AutoModel.from_pretrained(args.source), args.destination)
     else:
-        load_dflash(args.source).save_pretrained(args.destination)
+        raw = json.loads((Path(args.source) / "config.json").read_text())
+        architecture = (raw.get("architectures") or [""])[0]
+        if architecture == "LlamaForCausalLMEagle3":
+            drafter = load_eagle3(args.source, target=target)
+        elif architecture in ("Qwen3DFlyModel", "DFlyDraftModel") or raw.get("model_arch") == "dflare":
+            drafter = load_angelspec(args.source, block_size=args.block_size)
+        elif architecture == "DFlashDraftModel":
+            drafter = load_dflash(args.source)
+        else:
+            raise SystemExit(f"{args.source}: unknown drafter architecture {architecture!r} (reads DFlashDraftModel, "
+                             "Qwen3DFlyModel/DFlyDraftModel, DFlare and LlamaForCausalLMEagle3).")
+        drafter.save_pretrained(args.destination)
     print(f"converted {args.source} to {args.to} format in {args.destination}")
     return 0
 
@@ -271,8 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
     push.set_defaults(handler=run_push)
 
     convert = commands.add_parser("convert", help="write a drafter in another project's format, or read one")
-    convert.add_argument("--to", required=True, choices=["dflash", "angelspec-hf"],
-                         help="dflash: z-lab DFlashDraftModel (DFlash-mode drafters); angelspec-hf: read a DFlash checkpoint")
+    convert.add_argument("--to", required=True, choices=["dflash", "eagle3", "angelspec", "angelspec-hf"],
+                         help="dflash: a DFlash-mode block drafter as z-lab DFlashDraftModel; eagle3: an MTP drafter "
+                              "as LlamaForCausalLMEagle3; angelspec: a DFly/DFlare drafter as AngelSpec's "
+                              "Qwen3DFlyModel/DFlare; angelspec-hf: read any of those")
+    convert.add_argument("--block-size", type=int, default=None,
+                         help="block size of an AngelSpec checkpoint whose config does not record it")
+    convert.add_argument("--target", default=None,
+                         help="target (reference, a directory or Hub id): needed to read EAGLE-3 and to write "
+                              "full-vocabulary MTP drafters as EAGLE-3")
     convert.add_argument("source")
     convert.add_argument("destination")
     convert.set_defaults(handler=run_convert)

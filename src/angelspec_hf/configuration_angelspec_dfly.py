@@ -19,6 +19,9 @@ class DFlyDrafterConfig(AngelSpecDrafterConfig):
             ``conditioning="global", hidden_correction=False`` is exactly DFlash;
             ``conditioning="layerwise", hidden_correction=False`` is DFlare.
         correction_intermediate_size: width of the correction head's SwiGLU (default: hidden size).
+        correction_embed_norm: RMSNorm the previous token's embedding before the correction head,
+            as published AngelSpec DFly checkpoints do (``from_target`` turns it on; configs
+            written before it existed load with it off).
         mask_token_id: target token id used for masked block positions.
     """
 
@@ -29,6 +32,7 @@ class DFlyDrafterConfig(AngelSpecDrafterConfig):
     conditioning: str = "hybrid"
     hidden_correction: bool = True
     correction_intermediate_size: int | None = None
+    correction_embed_norm: bool = False
     mask_token_id: int = 0
 
     def __post_init__(self, **kwargs):

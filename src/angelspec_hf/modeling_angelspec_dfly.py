@@ -64,15 +64,19 @@ class DFlyLayer(nn.Module):
 
 
 class HiddenCorrection(nn.Module):
-    """``z' = z + SwiGLU([RMSNorm(z); e_prev])``; the output projection starts at zero (= DFlash)."""
+    """``z' = z + SwiGLU([RMSNorm(z); RMSNorm(e_prev)])`` (the second norm optional); the output
+    projection starts at zero, so an untrained head is exactly DFlash."""
 
     def __init__(self, config: DFlyDrafterConfig):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.correction_embed_norm else None
         self.mlp = SwiGLU(2 * config.hidden_size, config.correction_intermediate_size, config.hidden_size)
         self.mlp.down_proj.zero_init = True
 
     def forward(self, z: torch.Tensor, previous_embeds: torch.Tensor) -> torch.Tensor:
+        if self.embed_norm is not None:
+            previous_embeds = self.embed_norm(previous_embeds)
         return z + self.mlp(torch.cat([self.norm(z), previous_embeds], dim=-1))
 
 
@@ -189,6 +193,7 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
         """
         if mask_token_id is None:
             mask_token_id = default_mask_token_id(target)
+        overrides.setdefault("correction_embed_norm", True)
         config = cls.config_from_target(target, block_size=block_size, mask_token_id=mask_token_id, **overrides)
         drafter = cls(config).to(device=target.device)
         if draft_token_ids is not None:

@@ -1,0 +1,163 @@
+"""The AngelSpec training-export format of block drafters (``Qwen3DFlyModel``, and DFlare as
+``DFlashDraftModel`` with ``model_arch="dflare"``), as served by AngelSpec's vLLM integration.
+
+Their tensors are ours under other names inside each layer and the correction head: top-level
+``context_proj``/``context_norm``/``final_norm``/``layer_fusion_weights`` keep their names (vLLM
+maps them onto its DFlash backbone), layer tensors use Qwen3 names (``self_attn.q_proj``,
+``input_layernorm``...), and the correction head is ``hidden_correction.{hidden_norm, embed_norm,
+gate_proj, up_proj, down_proj}``: ``h + down(silu(gate(x)) * up(x))`` with
+``x = [norm(h); norm(e_prev)]``, which is our head with ``correction_embed_norm=True``. The config
+records the fused layers (``target_layer_ids``, ``num_target_layers`` = how many) and the target's
+depth (``target_num_hidden_layers``), not the block size (the serving engine's
+``num_speculative_tokens``); a written ``block_size`` is read, else the block size must be given.
+DFlash-mode drafters use the z-lab format (`export_dflash`), which AngelSpec reads as well.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..configuration_angelspec_dfly import DFlyDrafterConfig
+from ..errors import DrafterCheckpointError, DrafterConfigError
+from ..modeling_angelspec_dfly import DFlyDrafter
+from .dflash import PER_LAYER
+
+logger = logging.getLogger(__name__)
+
+TOP_LEVEL = {name: name for name in ("context_proj.weight", "context_norm.weight", "final_norm.weight", "layer_fusion_weights")}
+CORRECTION = {
+    "hidden_correction.norm.weight": "hidden_correction.hidden_norm.weight",
+    "hidden_correction.embed_norm.weight": "hidden_correction.embed_norm.weight",
+    **{f"hidden_correction.mlp.{n}.weight": f"hidden_correction.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")},
+}
+IGNORED = ("embed_tokens.weight",)
+DFLY_ARCHITECTURES = ("Qwen3DFlyModel", "DFlyDraftModel")
+
+
+def their_name(key: str) -> str:
+    """The AngelSpec name of one of our tensor names."""
+    if key in TOP_LEVEL or key in CORRECTION:
+        return TOP_LEVEL.get(key) or CORRECTION[key]
+    prefix, index, rest = key.split(".", 2)
+    if prefix != "layers" or rest not in PER_LAYER:
+        raise KeyError(key)
+    return f"layers.{index}.{PER_LAYER[rest]}"
+
+
+def _name_map(drafter: DFlyDrafter) -> dict[str, str]:
+    return {key: their_name(key) for key in drafter.state_dict() if key != "draft_vocab"}
+
+
+def angelspec_config_dict(config: DFlyDrafterConfig) -> dict:
+    common = {
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, "head_dim": config.head_dim,
+        "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads, "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "num_target_layers": len(config.target_layer_ids), "target_hidden_size": config.hidden_size,
+        "target_num_hidden_layers": config.num_target_layers, "target_layer_ids": list(config.target_layer_ids),
+        "mask_token_id": config.mask_token_id, "block_size": config.block_size, "tie_word_embeddings": False,
+        "angelspec_target": {"name_or_path": config.target_name_or_path,
+                             "embedding_fingerprint": config.target_embedding_fingerprint},
+    }
+    if config.variant == "dflare":
+        return {"architectures": ["DFlashDraftModel"], "model_type": "dflash", "model_arch": "dflare", **common}
+    return {"architectures": ["Qwen3DFlyModel"], "model_type": "qwen3", "model_arch": "dfly", **common,
+            "enable_hidden_correction": config.hidden_correction,
+            "hidden_correction_intermediate_size": config.correction_intermediate_size}
+
+
+def export_angelspec(drafter: DFlyDrafter, out_dir: str | Path) -> Path:
+    """Write a DFly (hybrid conditioning) or DFlare drafter in the AngelSpec format."""
+    config = drafter.config
+    if config.model_type != "angelspec_dfly" or config.variant == "dflash" or (
+        config.variant == "dfly" and config.conditioning != "hybrid"
+    ):
+        raise DrafterConfigError(
+            "The AngelSpec format holds DFly drafters with hybrid conditioning (Qwen3DFlyModel) and DFlare drafters; "
+            f"this one is {getattr(config, 'variant', config.model_type)!r} with {getattr(config, 'conditioning', '?')!r} "
+            "conditioning. Fix: DFlash-mode drafters go to --to dflash, MTP drafters to --to eagle3."
+        )
+    if config.hidden_correction and not config.correction_embed_norm:
+        raise DrafterConfigError(
+            "AngelSpec's correction head normalises the previous token's embedding; this drafter's head "
+            "(built before correction_embed_norm existed) does not, so no AngelSpec checkpoint computes what it does. "
+            "Fix: retrain it with a current DFlyDrafter.from_target, or keep the angelspec-hf format."
+        )
+    weights = drafter.state_dict()
+    if weights.pop("draft_vocab", None) is not None:
+        logger.warning("The AngelSpec format has no target-row draft vocabulary; the export drafts over the full vocabulary.")
+    names = _name_map(drafter)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({names[k]: v.detach().contiguous().cpu() for k, v in weights.items()}, out_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(angelspec_config_dict(config), indent=2))
+    return out_dir
+
+
+def angelspec_drafter_config(raw: dict, block_size: int | None = None) -> DFlyDrafterConfig:
+    """Our config for an AngelSpec DFly/DFlare config dict."""
+    architecture = (raw.get("architectures") or [""])[0]
+    dflare = raw.get("model_arch") == "dflare"
+    if architecture not in DFLY_ARCHITECTURES and not dflare:
+        raise DrafterCheckpointError(
+            f"Not an AngelSpec DFly/DFlare config (architectures={raw.get('architectures')}, "
+            f"model_arch={raw.get('model_arch')!r}); DFlash checkpoints load with load_dflash."
+        )
+    nested = {**(raw.get("dflash_config") or {}), **(raw.get("dflare_config") or {})}
+    layer_ids = nested.get("target_layer_ids") or raw.get("target_layer_ids")
+    depth = raw.get("target_num_hidden_layers")
+    if not layer_ids or depth is None:
+        raise DrafterCheckpointError("The config lacks target_layer_ids or target_num_hidden_layers.")
+    if raw.get("target_hidden_size", raw["hidden_size"]) != raw["hidden_size"]:
+        raise DrafterConfigError("DFly drafters share the target's width; this config's target_hidden_size differs.")
+    block = block_size or raw.get("block_size") or nested.get("block_size")
+    if block is None:
+        raise DrafterConfigError(
+            "This AngelSpec config does not record the block size (vLLM takes it as num_speculative_tokens + 1). "
+            "Fix: pass block_size=... (angelspec-hf convert --block-size N)."
+        )
+    correction = bool(raw.get("enable_hidden_correction", False)) and not dflare
+    target = raw.get("angelspec_target") or {}
+    return DFlyDrafterConfig(
+        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(raw.get("rope_theta", 10000.0)),
+        num_target_layers=int(depth), target_layer_ids=list(layer_ids), block_size=int(block),
+        mask_token_id=int(nested.get("mask_token_id", raw.get("mask_token_id"))),
+        conditioning="layerwise" if dflare else "hybrid", hidden_correction=correction,
+        correction_intermediate_size=raw.get("hidden_correction_intermediate_size"), correction_embed_norm=correction,
+        target_name_or_path=target.get("name_or_path"), target_embedding_fingerprint=target.get("embedding_fingerprint"),
+    )
+
+
+def load_angelspec(path: str | Path, block_size: int | None = None, dtype: torch.dtype | None = None) -> DFlyDrafter:
+    """An AngelSpec DFly/DFlare checkpoint directory as a `DFlyDrafter` (strict: every tensor mapped)."""
+    path = Path(path)
+    config = angelspec_drafter_config(json.loads((path / "config.json").read_text()), block_size)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DrafterCheckpointError(f"No .safetensors weights in {path}. Fix: download the checkpoint's weight files.")
+    theirs = {}
+    for file in files:
+        theirs.update(load_file(file))
+    for name in IGNORED:
+        theirs.pop(name, None)
+    drafter = DFlyDrafter(config)
+    inverse = {v: k for k, v in _name_map(drafter).items()}
+    unknown, missing = sorted(set(theirs) - set(inverse)), sorted(set(inverse) - set(theirs))
+    if unknown or missing:
+        raise DrafterCheckpointError(
+            f"{path} is not a plain AngelSpec DFly/DFlare checkpoint: unexpected {unknown[:6]}, missing {missing[:6]}. "
+            "(Drafters with their own lm_head, Markov or confidence heads are not supported.)"
+        )
+    drafter.load_state_dict({inverse[name]: tensor for name, tensor in theirs.items()}, strict=True)
+    return drafter.to(dtype) if dtype is not None else drafter

@@ -1,0 +1,171 @@
+"""The EAGLE-3 format (``LlamaForCausalLMEagle3``, as trained by SpecForge and served by vLLM and SGLang).
+
+An MTP drafter is an EAGLE-3 layer: ``fc`` fuses three target layers, the one decoder layer
+attends over ``[input_norm(embedding); hidden_norm(hidden)]``, then ``norm`` and a reduced-vocabulary
+``lm_head`` with the same ``d2t``/``t2d`` maps (target id = draft id + ``d2t[draft id]``). Only the
+names differ (``midlayer.*``, ``input_layernorm``, ``post_attention_layernorm``). The format has
+no record of which target layers feed ``fc`` nor of the target's depth: EAGLE-3 always reads
+decoder layers ``1, L // 2 - 1, L - 4``, which is our default, so importing needs the target
+(or its layer count); SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids`` is honoured.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..configuration_angelspec_mtp import MTPDrafterConfig
+from ..errors import DrafterCheckpointError, DrafterConfigError
+from ..modeling_angelspec_common import target_config_fields
+from ..modeling_angelspec_mtp import MTPDrafter
+
+# Our weight name -> EAGLE-3 name.
+NAMES = {
+    "fc.weight": "fc.weight",
+    "input_norm.weight": "midlayer.input_layernorm.weight",
+    "hidden_norm.weight": "midlayer.hidden_norm.weight",
+    "post_attention_norm.weight": "midlayer.post_attention_layernorm.weight",
+    **{f"self_attn.{name}.weight": f"midlayer.self_attn.{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{f"mlp.{name}.weight": f"midlayer.mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")},
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "d2t": "d2t",
+    "t2d": "t2d",
+}
+# Present in some checkpoints, never needed: drafters use the target's embeddings.
+IGNORED = ("embed_tokens.weight",)
+
+
+def eagle3_config_dict(config: MTPDrafterConfig) -> dict:
+    draft_vocab_size = config.draft_vocab_size if config.uses_reduced_vocab else config.vocab_size
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.target_layer_ids)},
+        "angelspec_target": {"name_or_path": config.target_name_or_path, "num_layers": config.num_target_layers,
+                             "embedding_fingerprint": config.target_embedding_fingerprint},
+        # Serving engines take the draft depth from their command line; this keeps ours on a round trip.
+        "angelspec_draft": {"num_draft_tokens": config.num_draft_tokens, "ttt_steps": config.ttt_steps},
+    }
+
+
+def export_eagle3(drafter: MTPDrafter, out_dir: str | Path, target=None) -> Path:
+    """Write an MTP drafter as an EAGLE-3 checkpoint (config + safetensors).
+
+    EAGLE-3 always has its own ``lm_head``: a full-vocabulary drafter (which borrows the target's)
+    needs ``target`` to copy it from, with identity ``d2t``/``t2d``.
+    """
+    config = drafter.config
+    if config.model_type != "angelspec_mtp":
+        raise DrafterConfigError(
+            f"Only MTP drafters map to the EAGLE-3 format, this is {config.model_type!r}. Fix: convert a DFlash-mode "
+            "block drafter with --to dflash instead."
+        )
+    if config.target_layer_ids is None or len(config.target_layer_ids) != 3:
+        raise DrafterConfigError(f"EAGLE-3 fuses exactly 3 target layers; this drafter reads {config.target_layer_ids}.")
+    weights = {key: value.detach() for key, value in drafter.state_dict().items()}
+    if not config.uses_reduced_vocab:
+        if target is None:
+            raise DrafterConfigError(
+                "This MTP drafter drafts through the target's lm_head, which EAGLE-3 stores in the drafter. "
+                "Fix: pass the target (angelspec-hf convert --target ...)."
+            )
+        drafter.check_target(target)
+        weights["lm_head.weight"] = target.get_output_embeddings().weight.detach().to(drafter.dtype)
+        weights["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
+        weights["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {NAMES[key]: value.contiguous().cpu() for key, value in weights.items()}
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(eagle3_config_dict(config), indent=2))
+    return out_dir
+
+
+def eagle3_drafter_config(raw: dict, target=None, num_target_layers: int | None = None) -> MTPDrafterConfig:
+    """Our config for an EAGLE-3 config dict; the target (or its layer count) fills what the format lacks."""
+    ours = raw.get("angelspec_target") or {}
+    fields = target_config_fields(target) if target is not None else {}
+    layers = num_target_layers or fields.get("num_target_layers") or ours.get("num_layers")
+    if layers is None:
+        raise DrafterConfigError(
+            "An EAGLE-3 config does not say how deep its target is. Fix: pass target=... (or num_target_layers=...)."
+        )
+    aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    draft_vocab_size = raw.get("draft_vocab_size") or raw["vocab_size"]
+    if raw.get("target_hidden_size", raw["hidden_size"]) != raw["hidden_size"]:
+        raise DrafterConfigError(
+            f"This EAGLE-3 drafter is {raw['hidden_size']} wide for a {raw['target_hidden_size']}-wide target; "
+            "angelspec-hf MTP drafters share the target's width."
+        )
+    if int(raw.get("num_hidden_layers", 1)) != 1:
+        raise DrafterCheckpointError(f"EAGLE-3 drafters have one decoder layer, this config has {raw['num_hidden_layers']}.")
+    fields.update(
+        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=1, num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(raw.get("rope_theta", 10000.0)),
+        num_target_layers=int(layers), target_layer_ids=list(aux) if aux else None,
+        draft_vocab_size=draft_vocab_size if draft_vocab_size < raw["vocab_size"] else None,
+        **(raw.get("angelspec_draft") or {}),
+    )
+    if target is None:
+        fields.update(target_name_or_path=ours.get("name_or_path"), target_embedding_fingerprint=ours.get("embedding_fingerprint"))
+    return MTPDrafterConfig(**fields)
+
+
+def load_eagle3(path: str | Path, target=None, num_target_layers: int | None = None, dtype: torch.dtype | None = None) -> MTPDrafter:
+    """An EAGLE-3 checkpoint directory as an `MTPDrafter` (strict: every tensor mapped).
+
+    A draft vocabulary as large as the target's is read as a full-vocabulary drafter, whose
+    ``lm_head`` must then equal the target's (it is borrowed from the target, not stored).
+    """
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    config = eagle3_drafter_config(raw, target, num_target_layers)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DrafterCheckpointError(f"No .safetensors weights in {path}. Fix: download the checkpoint's weight files.")
+    theirs = {}
+    for file in files:
+        theirs.update(load_file(file))
+    for name in IGNORED:
+        theirs.pop(name, None)
+    inverse = {v: k for k, v in NAMES.items()}
+    if not config.uses_reduced_vocab:
+        for name in ("lm_head.weight", "d2t", "t2d"):
+            inverse.pop(name)
+        head = theirs.pop("lm_head.weight", None)
+        theirs.pop("d2t", None), theirs.pop("t2d", None)
+        if head is not None and target is not None and not torch.equal(
+            head.to(target.dtype), target.get_output_embeddings().weight.detach().cpu()
+        ):
+            raise DrafterCheckpointError(
+                f"{path} drafts over the whole vocabulary with its own lm_head, which differs from the target's; "
+                "angelspec-hf borrows the target's head for full-vocabulary drafters. Fix: use a reduced draft vocabulary."
+            )
+    unknown, missing = sorted(set(theirs) - set(inverse)), sorted(set(inverse) - set(theirs))
+    if unknown or missing:
+        raise DrafterCheckpointError(f"{path} is not an EAGLE-3 checkpoint: unexpected {unknown[:6]}, missing {missing[:6]}.")
+    drafter = MTPDrafter(config)
+    drafter.load_state_dict({inverse[name]: tensor for name, tensor in theirs.items()}, strict=True)
+    return drafter.to(dtype) if dtype is not None else drafter
