@@ -63,3 +63,13 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets):
     broken = run_concurrency(target, tokenizer, {}, ["math"], per_set=2, max_new_tokens=10, levels=[2],
                              references=references)
     assert broken[0]["lossless"] is False
+
+
+def test_a_dflash_drafter_also_runs_through_transformers_own_dflash_path(targets):
+    target = targets.target("llama")
+    drafters = {"dflash": targets.fitted("llama", "dfly-global-nocorr")}
+    rows = summarise(run_benchmark(target, tiny_tokenizer(), drafters, ["math"], per_set=2, max_new_tokens=12))
+    by_method = {row["method"]: row for row in rows}
+    native = by_method["dflash via transformers' DFlash"]
+    # Same drafts, so the same tau (acceptance itself is checked in test_interop_dflash).
+    assert native["lossless"] and native["tau"] == by_method["dflash"]["tau"]

@@ -94,3 +94,32 @@ def test_convert_command_both_ways(targets, tmp_path):
     for key, value in original.state_dict().items():
         assert torch.equal(value, back.state_dict()[key])
     assert back.config.target_embedding_fingerprint == original.config.target_embedding_fingerprint
+
+
+def test_transformers_own_dflash_path_reproduces_our_drafts(targets, tmp_path):
+    """The export runs through transformers' speculation_type="dflash" with its own assistant class:
+    same tokens, and the same number of target forwards (so the same acceptance every round)."""
+    from transformers import AutoModel
+
+    from angelspec_hf.interop import export_transformers_dflash
+
+    target, drafter = targets.target("llama"), targets.fitted("llama", "dfly-global-nocorr")
+    export_transformers_dflash(drafter, tmp_path)
+    theirs = AutoModel.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == "MuseGlimmerAssistantModel"
+    calls = []
+    hook = target.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        for prompt in targets.sequences("llama")[:3, :PROMPT_LENGTH]:
+            prompt = prompt[None]
+            calls.clear()
+            ours = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False, eos_token_id=None)
+            our_forwards = len(calls)
+            calls.clear()
+            native = target.generate(prompt, assistant_model=theirs, speculation_type="dflash", max_new_tokens=24,
+                                     do_sample=False, eos_token_id=None)
+            assert torch.equal(ours, native)
+            assert len(calls) == our_forwards, (len(calls), our_forwards)
+            assert sum(drafter.last_speculation_stats.accepted) > 0
+    finally:
+        hook.remove()

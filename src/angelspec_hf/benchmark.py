@@ -34,6 +34,7 @@ class Method:
     generate_kwargs: dict = field(default_factory=dict)
     drafter: object = None
     policy: object = None  # installed as drafter.draft_policy for this method's runs only
+    count_forwards: bool = False  # tau from counted target forwards (assistants without our stats)
 
 
 @dataclass
@@ -58,9 +59,25 @@ def methods_for(drafters: dict[str, object], cost_model=None, prompt_lookup_toke
     methods = [Method(AR), Method(PROMPT_LOOKUP, {"prompt_lookup_num_tokens": prompt_lookup_tokens})]
     for name, drafter in drafters.items():
         methods.append(Method(name, {"assistant_model": drafter}, drafter))
+        if getattr(drafter.config, "variant", None) == "dflash":
+            native = {"assistant_model": transformers_dflash_assistant(drafter), "speculation_type": "dflash"}
+            methods.append(Method(f"{name} via transformers' DFlash", native, count_forwards=True))
         if cost_model is not None:
             methods.append(Method(f"{name} + D-cut", {"assistant_model": drafter}, drafter, DCutPolicy(cost_model)))
     return methods
+
+
+def transformers_dflash_assistant(drafter):
+    """The same DFlash-mode drafter as transformers' own assistant class (``speculation_type="dflash"``)."""
+    import tempfile
+
+    from transformers import AutoModel
+
+    from .interop import export_transformers_dflash
+
+    with tempfile.TemporaryDirectory() as directory:
+        export_transformers_dflash(drafter, directory)
+        return AutoModel.from_pretrained(directory, dtype=drafter.dtype).eval()
 
 
 def benchmark_prompts(domains: list[str], per_set: int) -> list[tuple[str, int, str]]:
@@ -82,12 +99,16 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
             for method in methods:
                 if method.policy is not None:
                     method.drafter.draft_policy = method.policy
+                forwards = []
+                hook = target.register_forward_hook(lambda *_: forwards.append(1)) if method.count_forwards else None
                 start = time.perf_counter()
                 try:
                     out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                           **method.generate_kwargs)
                 finally:
                     seconds = time.perf_counter() - start
+                    if hook is not None:
+                        hook.remove()
                     if method.policy is not None:
                         del method.drafter.draft_policy
                 if reference is None:
@@ -95,8 +116,12 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
                     if references is not None:
                         references[(domain, index)] = out[0].tolist()
                 stats = getattr(method.drafter, "last_speculation_stats", None)
-                runs.append(Run(method.name, domain, index, out.shape[1] - inputs["input_ids"].shape[1], seconds,
-                                torch.equal(out, reference), stats.tau if stats is not None else None))
+                new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
+                tau = stats.tau if stats is not None else None
+                if method.count_forwards:
+                    # The prefill forward yields the first token; each later forward verifies one round.
+                    tau = (new_tokens - 1) / max(len(forwards) - 1, 1)
+                runs.append(Run(method.name, domain, index, new_tokens, seconds, torch.equal(out, reference), tau))
     return runs
 
 

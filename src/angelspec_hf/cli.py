@@ -111,7 +111,15 @@ def run_push(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from .interop import export_angelspec, export_dflash, export_eagle3, load_angelspec, load_dflash, load_eagle3
+    from .interop import (
+        export_angelspec,
+        export_dflash,
+        export_eagle3,
+        export_transformers_dflash,
+        load_angelspec,
+        load_dflash,
+        load_eagle3,
+    )
 
     target = load_target(args.target)[0] if args.target else None
     if args.to == "dflash":
@@ -120,6 +128,8 @@ def run_convert(args: argparse.Namespace) -> int:
         export_eagle3(AutoModel.from_pretrained(args.source), args.destination, target=target)
     elif args.to == "angelspec":
         export_angelspec(AutoModel.from_pretrained(args.source), args.destination)
+    elif args.to == "transformers-dflash":
+        export_transformers_dflash(AutoModel.from_pretrained(args.source), args.destination)
     else:
         raw = json.loads((Path(args.source) / "config.json").read_text())
         architecture = (raw.get("architectures") or [""])[0]
@@ -287,10 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     push.set_defaults(handler=run_push)
 
     convert = commands.add_parser("convert", help="write a drafter in another project's format, or read one")
-    convert.add_argument("--to", required=True, choices=["dflash", "eagle3", "angelspec", "angelspec-hf"],
+    convert.add_argument("--to", required=True,
+                         choices=["dflash", "transformers-dflash", "eagle3", "angelspec", "angelspec-hf"],
                          help="dflash: a DFlash-mode block drafter as z-lab DFlashDraftModel; eagle3: an MTP drafter "
                               "as LlamaForCausalLMEagle3; angelspec: a DFly/DFlare drafter as AngelSpec's "
-                              "Qwen3DFlyModel/DFlare; angelspec-hf: read any of those")
+                              "Qwen3DFlyModel/DFlare; transformers-dflash: a DFlash-mode drafter as transformers' "
+                              "own assistant (speculation_type='dflash'); angelspec-hf: read dflash, eagle3 or angelspec")
     convert.add_argument("--block-size", type=int, default=None,
                          help="block size of an AngelSpec checkpoint whose config does not record it")
     convert.add_argument("--target", default=None,

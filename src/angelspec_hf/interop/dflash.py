@@ -69,15 +69,19 @@ def dflash_config_dict(config: DFlyDrafterConfig) -> dict:
     }
 
 
-def export_dflash(drafter: DFlyDrafter, out_dir: str | Path) -> Path:
-    """Write a DFlash-mode drafter as a z-lab ``DFlashDraftModel`` checkpoint (config + safetensors)."""
-    config = drafter.config
+def _require_dflash_mode(config) -> None:
     if getattr(config, "variant", None) != "dflash":
         raise DrafterConfigError(
             f"Only DFlash-mode drafters (conditioning='global', hidden_correction=False) map to the DFlash "
             f"format; this one is {getattr(config, 'variant', config.model_type)!r}. Fix: train or convert a "
-            "dflash-code recipe drafter, or keep the angelspec format."
+            "dflash-code recipe drafter, or use --to angelspec for DFly/DFlare drafters."
         )
+
+
+def export_dflash(drafter: DFlyDrafter, out_dir: str | Path) -> Path:
+    """Write a DFlash-mode drafter as a z-lab ``DFlashDraftModel`` checkpoint (config + safetensors)."""
+    config = drafter.config
+    _require_dflash_mode(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = _name_map(config.num_hidden_layers)
@@ -138,3 +142,51 @@ def load_dflash(path: str | Path, dtype: torch.dtype | None = None) -> DFlyDraft
     drafter = DFlyDrafter(config)
     drafter.load_state_dict({inverse[name]: tensor for name, tensor in theirs.items()}, strict=True)
     return drafter.to(dtype) if dtype is not None else drafter
+
+
+# transformers' own DFlash assistant (``speculation_type="dflash"``): the same network under the
+# MuseGlimmerAssistant names, with the context projection and its norm in an ``encoder``.
+TRANSFORMERS_TOP_LEVEL = {"context_proj.weight": "encoder.fc.weight", "context_norm.weight": "encoder.output_norm_enc.weight",
+                          "final_norm.weight": "norm.weight"}
+
+
+def transformers_dflash_config_dict(config: DFlyDrafterConfig) -> dict:
+    return {
+        "architectures": ["MuseGlimmerAssistantModel"],
+        "model_type": "muse_glimmer_assistant",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "max_position_embeddings": 32768,
+        "layer_types": ["full_attention"] * config.num_hidden_layers,
+        "hidden_act": "silu",
+        "block_size": config.block_size,
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+
+
+def export_transformers_dflash(drafter: DFlyDrafter, out_dir: str | Path) -> Path:
+    """Write a DFlash-mode drafter as transformers' native DFlash assistant, for
+    ``target.generate(assistant_model=AutoModel.from_pretrained(out_dir), speculation_type="dflash")``."""
+    config = drafter.config
+    _require_dflash_mode(config)
+    weights = drafter.state_dict()
+    weights.pop("draft_vocab", None)
+    names = dict(TRANSFORMERS_TOP_LEVEL)
+    for i in range(config.num_hidden_layers):
+        names.update({f"layers.{i}.{ours}": f"layers.{i}.{theirs}" for ours, theirs in PER_LAYER.items()})
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({names[k]: v.detach().contiguous().cpu() for k, v in weights.items()}, out_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(transformers_dflash_config_dict(config), indent=2))
+    return out_dir
