@@ -1,4 +1,5 @@
-"""Serve several prompts at once with the batched engine, with and without a drafter.
+"""Serve several prompts at once with the batched engine: plain, speculative, and speculative with
+D-cut across requests (which drafts only while it pays on this hardware).
 
     python examples/serve_batch.py [path/to/drafter]
 """
@@ -10,8 +11,9 @@ import torch
 from transformers import AutoModel
 
 from angelspec_hf import SpeculativeEngine
+from angelspec_hf.generation import BatchDCutPolicy, load_or_profile
 from angelspec_hf.prompts import domain_prompts
-from angelspec_hf.reference import load_reference_target
+from angelspec_hf.reference import REFERENCE_TARGET_ID, load_reference_target
 from angelspec_hf.training.data import chat_prefix_ids
 
 target, tokenizer = load_reference_target()
@@ -19,10 +21,12 @@ drafter = AutoModel.from_pretrained(sys.argv[1]).eval() if len(sys.argv) > 1 els
 prompts = domain_prompts("code", "eval", per_set=4)
 ids = [chat_prefix_ids(tokenizer, prompt) for prompt in prompts]
 
-for name, model in (("plain batched", None), ("speculative", drafter)):
-    if name == "speculative" and model is None:
-        break
-    engine = SpeculativeEngine(target, model, max_batch_size=8)
+configurations = [("plain batched", None, None)]
+if drafter is not None:
+    cost_model = load_or_profile(target, REFERENCE_TARGET_ID)  # measured once per machine, then cached
+    configurations += [("speculative", drafter, None), ("speculative + D-cut", drafter, BatchDCutPolicy(cost_model))]
+for name, model, policy in configurations:
+    engine = SpeculativeEngine(target, model, max_batch_size=8, policy=policy)
     start = time.perf_counter()
     with torch.no_grad():
         outputs = engine.generate(ids, max_new_tokens=96, eos_token_id=tokenizer.eos_token_id)
