@@ -15,16 +15,15 @@ DFlash-mode drafters use the z-lab format (`export_dflash`), which AngelSpec rea
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..configuration_angelspec_dfly import DFlyDrafterConfig
 from ..errors import DrafterCheckpointError, DrafterConfigError
 from ..modeling_angelspec_dfly import DFlyDrafter
+from .checkpoint import layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
 from .dflash import PER_LAYER
 
 logger = logging.getLogger(__name__)
@@ -93,12 +92,7 @@ def export_angelspec(drafter: DFlyDrafter, out_dir: str | Path) -> Path:
     if weights.pop("draft_vocab", None) is not None:
         logger.warning("The AngelSpec format has no target-row draft vocabulary; the export drafts over the full vocabulary.")
     names = _name_map(drafter)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({names[k]: v.detach().contiguous().cpu() for k, v in weights.items()}, out_dir / "model.safetensors",
-              metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(angelspec_config_dict(config), indent=2))
-    return out_dir
+    return write_checkpoint(out_dir, {names[k]: v for k, v in weights.items()}, angelspec_config_dict(config))
 
 
 def angelspec_drafter_config(raw: dict, block_size: int | None = None) -> DFlyDrafterConfig:
@@ -124,40 +118,21 @@ def angelspec_drafter_config(raw: dict, block_size: int | None = None) -> DFlyDr
             "Fix: pass block_size=... (angelspec-hf convert --block-size N)."
         )
     correction = bool(raw.get("enable_hidden_correction", False)) and not dflare
-    target = raw.get("angelspec_target") or {}
     return DFlyDrafterConfig(
-        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(raw.get("rope_theta", 10000.0)),
-        num_target_layers=int(depth), target_layer_ids=list(layer_ids), block_size=int(block),
+        **layer_fields(raw), num_target_layers=int(depth), target_layer_ids=list(layer_ids), block_size=int(block),
         mask_token_id=int(nested.get("mask_token_id", raw.get("mask_token_id"))),
         conditioning="layerwise" if dflare else "hybrid", hidden_correction=correction,
         correction_intermediate_size=raw.get("hidden_correction_intermediate_size"), correction_embed_norm=correction,
-        target_name_or_path=target.get("name_or_path"), target_embedding_fingerprint=target.get("embedding_fingerprint"),
     )
 
 
 def load_angelspec(path: str | Path, block_size: int | None = None, dtype: torch.dtype | None = None) -> DFlyDrafter:
     """An AngelSpec DFly/DFlare checkpoint directory as a `DFlyDrafter` (strict: every tensor mapped)."""
-    path = Path(path)
-    config = angelspec_drafter_config(json.loads((path / "config.json").read_text()), block_size)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DrafterCheckpointError(f"No .safetensors weights in {path}. Fix: download the checkpoint's weight files.")
-    theirs = {}
-    for file in files:
-        theirs.update(load_file(file))
-    for name in IGNORED:
-        theirs.pop(name, None)
+    config = angelspec_drafter_config(read_config(path), block_size)
     drafter = DFlyDrafter(config)
     inverse = {v: k for k, v in _name_map(drafter).items()}
-    unknown, missing = sorted(set(theirs) - set(inverse)), sorted(set(inverse) - set(theirs))
-    if unknown or missing:
-        raise DrafterCheckpointError(
-            f"{path} is not a plain AngelSpec DFly/DFlare checkpoint: unexpected {unknown[:6]}, missing {missing[:6]}. "
-            "(Drafters with their own lm_head, Markov or confidence heads are not supported.)"
-        )
-    drafter.load_state_dict({inverse[name]: tensor for name, tensor in theirs.items()}, strict=True)
+    ours = renamed_strictly(read_tensors(path, IGNORED), inverse,
+                            f"{path} is not a plain AngelSpec DFly/DFlare checkpoint (drafters with their own lm_head, "
+                            "Markov or confidence heads are not supported)")
+    drafter.load_state_dict(ours, strict=True)
     return drafter.to(dtype) if dtype is not None else drafter

@@ -9,16 +9,15 @@ under other names.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..configuration_angelspec_dfly import DFlyDrafterConfig
 from ..errors import DrafterCheckpointError, DrafterConfigError
 from ..modeling_angelspec_dfly import DFlyDrafter
+from .checkpoint import layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +81,12 @@ def export_dflash(drafter: DFlyDrafter, out_dir: str | Path) -> Path:
     """Write a DFlash-mode drafter as a z-lab ``DFlashDraftModel`` checkpoint (config + safetensors)."""
     config = drafter.config
     _require_dflash_mode(config)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     names = _name_map(config.num_hidden_layers)
     weights = drafter.state_dict()
     if weights.pop("draft_vocab", None) is not None:
         # The format drafts over the whole vocabulary: the export is as accurate, only slower to draft.
         logger.warning("The DFlash format has no reduced draft vocabulary; the export drafts over the full vocabulary.")
-    state = {names[key]: value.detach().contiguous().cpu() for key, value in weights.items()}
-    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(dflash_config_dict(config), indent=2))
-    return out_dir
+    return write_checkpoint(out_dir, {names[key]: value for key, value in weights.items()}, dflash_config_dict(config))
 
 
 def _field(config: dict, name: str):
@@ -105,42 +99,21 @@ def _field(config: dict, name: str):
 
 def dflash_drafter_config(raw: dict) -> DFlyDrafterConfig:
     """Our config for a z-lab DFlash config dict."""
-    rope = raw.get("rope_parameters") or {}
-    target = raw.get("angelspec_target") or {}
     return DFlyDrafterConfig(
-        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-        num_target_layers=raw["num_target_layers"], target_layer_ids=list(_field(raw, "target_layer_ids")),
+        **layer_fields(raw), num_target_layers=raw["num_target_layers"], target_layer_ids=list(_field(raw, "target_layer_ids")),
         block_size=int(_field(raw, "block_size")) if "block_size" in raw or "block_size" in (raw.get("dflash_config") or {}) else 16,
         mask_token_id=int(_field(raw, "mask_token_id")), conditioning="global", hidden_correction=False,
-        target_name_or_path=target.get("name_or_path"), target_embedding_fingerprint=target.get("embedding_fingerprint"),
     )
 
 
 def load_dflash(path: str | Path, dtype: torch.dtype | None = None) -> DFlyDrafter:
     """A z-lab DFlash checkpoint directory as a `DFlyDrafter` in DFlash mode (strict: every tensor mapped)."""
-    path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
-    config = dflash_drafter_config(raw)
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise DrafterCheckpointError(f"No .safetensors weights in {path}. Fix: download the checkpoint's weight files.")
-    theirs = {}
-    for file in weights:
-        theirs.update(load_file(file))
+    config = dflash_drafter_config(read_config(path))
     inverse = {v: k for k, v in _name_map(config.num_hidden_layers).items()}
-    unknown = sorted(set(theirs) - set(inverse))
-    missing = sorted(set(inverse) - set(theirs))
-    if unknown or missing:
-        raise DrafterCheckpointError(
-            f"{path} is not a plain DFlash checkpoint: unexpected {unknown[:6]}, missing {missing[:6]}. "
-            "(DFlash2 checkpoints with candidate selectors or convolutions are not supported.)"
-        )
+    ours = renamed_strictly(read_tensors(path), inverse, f"{path} is not a plain DFlash checkpoint (DFlash2 checkpoints "
+                                                          "with candidate selectors or convolutions are not supported)")
     drafter = DFlyDrafter(config)
-    drafter.load_state_dict({inverse[name]: tensor for name, tensor in theirs.items()}, strict=True)
+    drafter.load_state_dict(ours, strict=True)
     return drafter.to(dtype) if dtype is not None else drafter
 
 
@@ -184,9 +157,4 @@ def export_transformers_dflash(drafter: DFlyDrafter, out_dir: str | Path) -> Pat
     names = dict(TRANSFORMERS_TOP_LEVEL)
     for i in range(config.num_hidden_layers):
         names.update({f"layers.{i}.{ours}": f"layers.{i}.{theirs}" for ours, theirs in PER_LAYER.items()})
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({names[k]: v.detach().contiguous().cpu() for k, v in weights.items()}, out_dir / "model.safetensors",
-              metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(transformers_dflash_config_dict(config), indent=2))
-    return out_dir
+    return write_checkpoint(out_dir, {names[k]: v for k, v in weights.items()}, transformers_dflash_config_dict(config))

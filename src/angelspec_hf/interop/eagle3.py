@@ -11,16 +11,15 @@ decoder layers ``1, L // 2 - 1, L - 4``, which is our default, so importing need
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..configuration_angelspec_mtp import MTPDrafterConfig
 from ..errors import DrafterCheckpointError, DrafterConfigError
 from ..modeling_angelspec_common import target_config_fields
 from ..modeling_angelspec_mtp import MTPDrafter
+from .checkpoint import layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
 
 # Our weight name -> EAGLE-3 name.
 NAMES = {
@@ -92,12 +91,7 @@ def export_eagle3(drafter: MTPDrafter, out_dir: str | Path, target=None) -> Path
         weights["lm_head.weight"] = target.get_output_embeddings().weight.detach().to(drafter.dtype)
         weights["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
         weights["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = {NAMES[key]: value.contiguous().cpu() for key, value in weights.items()}
-    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(eagle3_config_dict(config), indent=2))
-    return out_dir
+    return write_checkpoint(out_dir, {NAMES[key]: value for key, value in weights.items()}, eagle3_config_dict(config))
 
 
 def eagle3_drafter_config(raw: dict, target=None, num_target_layers: int | None = None) -> MTPDrafterConfig:
@@ -118,18 +112,14 @@ def eagle3_drafter_config(raw: dict, target=None, num_target_layers: int | None 
         )
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise DrafterCheckpointError(f"EAGLE-3 drafters have one decoder layer, this config has {raw['num_hidden_layers']}.")
+    shape = layer_fields({**raw, "num_hidden_layers": 1})
+    if target is not None:  # the target's own binding wins over what the file recorded
+        del shape["target_name_or_path"], shape["target_embedding_fingerprint"]
     fields.update(
-        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=1, num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(raw.get("rope_theta", 10000.0)),
-        num_target_layers=int(layers), target_layer_ids=list(aux) if aux else None,
+        shape, num_target_layers=int(layers), target_layer_ids=list(aux) if aux else None,
         draft_vocab_size=draft_vocab_size if draft_vocab_size < raw["vocab_size"] else None,
         **(raw.get("angelspec_draft") or {}),
     )
-    if target is None:
-        fields.update(target_name_or_path=ours.get("name_or_path"), target_embedding_fingerprint=ours.get("embedding_fingerprint"))
     return MTPDrafterConfig(**fields)
 
 
@@ -139,17 +129,8 @@ def load_eagle3(path: str | Path, target=None, num_target_layers: int | None = N
     A draft vocabulary as large as the target's is read as a full-vocabulary drafter, whose
     ``lm_head`` must then equal the target's (it is borrowed from the target, not stored).
     """
-    path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
-    config = eagle3_drafter_config(raw, target, num_target_layers)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DrafterCheckpointError(f"No .safetensors weights in {path}. Fix: download the checkpoint's weight files.")
-    theirs = {}
-    for file in files:
-        theirs.update(load_file(file))
-    for name in IGNORED:
-        theirs.pop(name, None)
+    config = eagle3_drafter_config(read_config(path), target, num_target_layers)
+    theirs = read_tensors(path, IGNORED)
     inverse = {v: k for k, v in NAMES.items()}
     if not config.uses_reduced_vocab:
         for name in ("lm_head.weight", "d2t", "t2d"):
@@ -163,9 +144,6 @@ def load_eagle3(path: str | Path, target=None, num_target_layers: int | None = N
                 f"{path} drafts over the whole vocabulary with its own lm_head, which differs from the target's; "
                 "angelspec-hf borrows the target's head for full-vocabulary drafters. Fix: use a reduced draft vocabulary."
             )
-    unknown, missing = sorted(set(theirs) - set(inverse)), sorted(set(inverse) - set(theirs))
-    if unknown or missing:
-        raise DrafterCheckpointError(f"{path} is not an EAGLE-3 checkpoint: unexpected {unknown[:6]}, missing {missing[:6]}.")
     drafter = MTPDrafter(config)
-    drafter.load_state_dict({inverse[name]: tensor for name, tensor in theirs.items()}, strict=True)
+    drafter.load_state_dict(renamed_strictly(theirs, inverse, f"{path} is not an EAGLE-3 checkpoint"), strict=True)
     return drafter.to(dtype) if dtype is not None else drafter

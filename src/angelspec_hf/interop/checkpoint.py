@@ -1,0 +1,63 @@
+"""Reading and writing a foreign drafter checkpoint directory: config.json plus safetensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import DrafterCheckpointError
+
+
+def write_checkpoint(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """``tensors`` (already under the format's names) as model.safetensors, ``config`` as config.json."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def read_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def read_tensors(path: str | Path, ignored: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files, without the ``ignored`` names."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise DrafterCheckpointError(f"No .safetensors weights in {path}. Fix: download the checkpoint's weight files.")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    for name in ignored:
+        tensors.pop(name, None)
+    return tensors
+
+
+def renamed_strictly(theirs: dict[str, torch.Tensor], ours_by_theirs: dict[str, str], what: str) -> dict[str, torch.Tensor]:
+    """``theirs`` under our names; any tensor left over or missing is a `DrafterCheckpointError`
+    whose message starts with ``what`` (the format and what it does not support)."""
+    unknown, missing = sorted(set(theirs) - set(ours_by_theirs)), sorted(set(ours_by_theirs) - set(theirs))
+    if unknown or missing:
+        raise DrafterCheckpointError(f"{what}: unexpected {unknown[:6]}, missing {missing[:6]}.")
+    return {ours_by_theirs[name]: tensor for name, tensor in theirs.items()}
+
+
+def layer_fields(raw: dict) -> dict:
+    """Our config fields for the decoder-layer shape of a Llama/Qwen3-style config dict, plus the
+    target binding (name, embedding fingerprint) our own exports record under ``angelspec_target``."""
+    rope = raw.get("rope_parameters") or {}
+    target = raw.get("angelspec_target") or {}
+    return {
+        "vocab_size": raw["vocab_size"], "hidden_size": raw["hidden_size"], "intermediate_size": raw["intermediate_size"],
+        "num_hidden_layers": raw["num_hidden_layers"], "num_attention_heads": raw["num_attention_heads"],
+        "num_key_value_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        "head_dim": raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        "target_name_or_path": target.get("name_or_path"), "target_embedding_fingerprint": target.get("embedding_fingerprint"),
+    }
