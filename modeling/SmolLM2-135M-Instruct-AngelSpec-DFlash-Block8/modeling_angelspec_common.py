@@ -1,0 +1,600 @@
+"""What every AngelSpec drafter shares: small layers, binding to a target, the candidate-generator
+protocol of `transformers`' assisted decoding, and the dispatch that lets
+``target.generate(assistant_model=drafter)`` use it.
+
+Single-file style (torch, transformers and sibling modules only) so that ``save_pretrained`` ships
+it as Hub remote code: a process that never imported ``angelspec_hf`` still gets the integration
+when it loads a drafter with ``trust_remote_code=True``.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import DynamicCache
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.utils import GenerationMixin
+from transformers.utils import logging
+
+from .configuration_angelspec_common import AngelSpecDrafterConfig
+from .errors import (
+    AngelSpecError,
+    BatchSizeNotSupportedError,
+    DrafterConfigError,
+    DrafterCheckpointError,
+    DrafterTargetMismatchError,
+    UnsupportedCacheError,
+)
+
+logger = logging.get_logger(__name__)
+
+FINGERPRINT_ROWS = 16
+FINGERPRINT_DIMS = 8
+# Cosine similarity that still counts as "the same embeddings": bf16 or 4-bit copies of one
+# target stay above 0.99, unrelated matrices land near 0.
+FINGERPRINT_MIN_COSINE = 0.95
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, in_size: int, intermediate_size: int, out_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(in_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(in_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, out_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin of shape (batch, 1, seq, head_dim) for integer positions of shape (batch, seq).
+
+    Computed on the fly rather than cached in a buffer: it costs microseconds and leaves nothing
+    for meta-device initialisation in ``from_pretrained`` to get wrong.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """(batch, seq, heads * dim) -> (batch, heads, seq, dim)."""
+    return x.view(x.shape[0], x.shape[1], num_heads, head_dim).transpose(1, 2)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention; ``mask`` is boolean, True where a query may see a key."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def causal_mask_with_prefix(num_queries: int, num_prefix: int, device: torch.device) -> torch.Tensor:
+    """Queries see every prefix key and causally the keys of their own chunk: (1, 1, q, prefix + q)."""
+    allowed = torch.ones(num_queries, num_prefix + num_queries, dtype=torch.bool, device=device)
+    allowed[:, num_prefix:] = torch.ones(num_queries, num_queries, dtype=torch.bool, device=device).tril()
+    return allowed[None, None]
+
+
+# --------------------------------------------------------------------------- target binding
+
+
+def expand_to_vocab(logits: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 logits over the full vocabulary from logits over ``token_ids``; other tokens get -inf.
+
+    -inf (probability 0 under the draft) keeps speculative sampling exact: such tokens are never
+    drafted, and the residual distribution restores the target's mass on them.
+    """
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"), dtype=torch.float32)
+    full[..., token_ids] = logits.float()
+    return full
+
+
+def sorted_draft_token_ids(token_ids, vocab_size: int, draft_vocab_size: int | None = None) -> torch.Tensor:
+    """Validated, sorted, unique target ids of a reduced draft vocabulary."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique(sorted=True)
+    if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise DrafterConfigError(f"draft_token_ids must be a non-empty set of ids in 0..{vocab_size - 1}.")
+    if draft_vocab_size is not None and draft_vocab_size != ids.numel():
+        raise DrafterConfigError(
+            f"draft_vocab_size={draft_vocab_size} disagrees with the {ids.numel()} distinct draft_token_ids given."
+        )
+    return ids
+
+
+class VocabSubsetHead:
+    """The rows of a target ``lm_head`` for a draft vocabulary, gathered once per generate call."""
+
+    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor, vocab_size: int):
+        self.weight = lm_head.weight.detach()[token_ids]
+        bias = getattr(lm_head, "bias", None)
+        self.bias = None if bias is None else bias.detach()[token_ids]
+        self.token_ids, self.vocab_size = token_ids, vocab_size
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return expand_to_vocab(F.linear(hidden, self.weight, self.bias), self.token_ids, self.vocab_size)
+
+
+def embedding_fingerprint(weight: torch.Tensor) -> list[float]:
+    """A few values of fixed embedding rows: cheap to store, robust to dtype and quantisation."""
+    rows = torch.linspace(0, weight.shape[0] - 1, FINGERPRINT_ROWS).round().long().to(weight.device)
+    sample = weight.detach()[rows, :FINGERPRINT_DIMS].float().flatten().cpu()
+    return [float(f"{value:.6g}") for value in sample.tolist()]
+
+
+def fingerprint_similarity(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        return 0.0
+    return F.cosine_similarity(torch.tensor(a), torch.tensor(b), dim=0).item()
+
+
+def rope_theta_of(text_config) -> float:
+    rope = getattr(text_config, "rope_parameters", None)
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        return float(rope["rope_theta"])
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        # Models with per-attention-type RoPE (Gemma 3) keep several; the global one is the "full" one.
+        for params in rope.values():
+            if "rope_theta" in params:
+                return float(params["rope_theta"])
+    return float(getattr(text_config, "rope_theta", 10000.0))
+
+
+def target_name(target: PreTrainedModel) -> str | None:
+    return getattr(target.config, "_name_or_path", None) or getattr(target, "name_or_path", None) or None
+
+
+def target_config_fields(target: PreTrainedModel) -> dict[str, Any]:
+    """Everything a drafter config must know about its target."""
+    text = target.config.get_text_config()
+    num_heads = text.num_attention_heads
+    return {
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+        "rms_norm_eps": float(getattr(text, "rms_norm_eps", 1e-6)),
+        "rope_theta": rope_theta_of(text),
+        "num_target_layers": text.num_hidden_layers,
+        "target_name_or_path": target_name(target),
+        "target_revision": getattr(target.config, "_commit_hash", None),
+        "target_model_type": text.model_type,
+        "target_embedding_fingerprint": embedding_fingerprint(target.get_input_embeddings().weight),
+    }
+
+
+def target_mismatches(config: AngelSpecDrafterConfig, target: PreTrainedModel) -> list[str]:
+    """Human-readable differences between what the drafter was built for and ``target``."""
+    text = target.config.get_text_config()
+    problems = []
+    for ours, theirs, label in (
+        ("vocab_size", "vocab_size", "vocabulary size"),
+        ("hidden_size", "hidden_size", "hidden size"),
+        ("num_target_layers", "num_hidden_layers", "decoder layer count"),
+    ):
+        if getattr(config, ours) != getattr(text, theirs, None):
+            problems.append(f"{label}: drafter expects {getattr(config, ours)}, target has {getattr(text, theirs, None)}")
+    if config.target_embedding_fingerprint:
+        similarity = fingerprint_similarity(
+            config.target_embedding_fingerprint, embedding_fingerprint(target.get_input_embeddings().weight)
+        )
+        if similarity < FINGERPRINT_MIN_COSINE:
+            problems.append(
+                f"embedding fingerprint: similarity {similarity:.3f} < {FINGERPRINT_MIN_COSINE} "
+                "(the target's token embeddings are not the ones the drafter was trained with)"
+            )
+    return problems
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class SpeculationStats:
+    """Per-``generate`` statistics of one drafter: one entry per verification round after prefill."""
+
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens gained per target forward (accepted drafts + the target's own token)."""
+        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = sum(self.drafted)
+        return sum(self.accepted) / drafted if drafted else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "drafted": list(self.drafted),
+            "accepted": list(self.accepted),
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+        }
+
+
+# --------------------------------------------------------------------------- candidate generation
+
+
+class AngelSpecCandidateGenerator(CandidateGenerator):
+    """Bridges a drafter and ``transformers``' assisted-decoding loop.
+
+    The loop verifies, samples, crops the target cache, handles EOS, streamers and
+    ``return_dict_in_generate``; this class only turns the verify forward's hidden states into the
+    next draft. The target's embeddings and ``lm_head`` live here, never inside the drafter.
+    Subclasses implement ``ingest`` (append context of newly committed positions) and ``draft``.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, drafter: "AngelSpecPreTrainedModel", target: PreTrainedModel, generation_config, logits_processor):
+        self.drafter = drafter
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        wanted = True if generation_config.output_hidden_states else [i + 1 for i in self.layer_ids]
+        self.model_kwargs_overrides = {"output_hidden_states": wanted}
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
+        self.committed = 0  # target positions whose features the drafter has ingested
+        self.prefilled = False
+        self.last_draft_length = 0
+        self.last_draft_seconds = 0.0
+        self.last_confidences: list[float] | None = None  # set in rounds a draft policy decided
+        self.policy = getattr(drafter, "draft_policy", None)  # fixed for one generate call
+        self.confidences: list[float] = []  # draft probability of each token drafted this round
+        self.key_padding: torch.Tensor | None = None  # (1, committed) bool, None while all are real tokens
+        self.stats = SpeculationStats()
+        drafter.last_speculation_stats = self.stats
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.drafter.max_draft_tokens
+
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        model_outputs: Any = None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        # The first round only prefills the target: a draft needs the features it produces.
+        self.last_draft_length = 0
+        self.last_confidences = None
+        if is_first_iteration:
+            return input_ids, None
+        self.observe_outputs(input_ids, model_outputs, model_kwargs)
+        return self.propose(input_ids)
+
+    def observe_outputs(self, input_ids: torch.LongTensor, model_outputs: Any, model_kwargs: dict[str, Any] | None = None) -> None:
+        """Append the context of the positions the last verify forward committed."""
+        num_new = input_ids.shape[1] - 1 - self.committed
+        hidden_states = getattr(model_outputs, "hidden_states", None)
+        if hidden_states is None or num_new < 1 or hidden_states[self.layer_ids[0] + 1].shape[1] < num_new:
+            raise RuntimeError(
+                "angelspec-hf lost track of the target's verified positions "
+                f"(expected {num_new} new positions); please report this with the generate arguments used."
+            )
+        features = [hidden_states[i + 1][:, :num_new].to(self.drafter.dtype) for i in self.layer_ids]
+        self._extend_key_padding(model_kwargs, num_new)
+        with torch.no_grad():
+            self.ingest(input_ids, features)
+        self.committed += num_new
+
+    def propose(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Draft after ``input_ids`` (whose context is ingested); returns candidates and their logits."""
+        self.last_draft_length = 0
+        self.last_confidences = None
+        budget = min(self.max_draft_tokens, self.max_length - input_ids.shape[1] - 1)
+        # An optional draft policy (D-cut, duck-typed so remote code needs nothing of ours) may
+        # skip drafting or keep only a prefix; the choice uses draft-side information only, so
+        # greedy output stays identical and sampling keeps the target distribution.
+        policy = self.policy
+        if budget < 1 or (policy is not None and not policy.should_draft()):
+            return input_ids, None
+        start = time.perf_counter()
+        self.confidences = []
+        with torch.no_grad():
+            tokens, logits = self.draft(input_ids, budget)
+        self.last_draft_seconds = time.perf_counter() - start
+        if policy is not None:
+            keep = policy.choose(self.confidences, input_ids.shape[1])
+            self.last_confidences = self.confidences[:keep]
+            tokens, logits = tokens[:, :keep], logits[:, :keep]
+            if keep == 0:
+                return input_ids, None
+        self.last_draft_length = tokens.shape[1]
+        return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits.to(input_ids.device)
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        if not self.prefilled:
+            self.prefilled = True
+            return
+        self.stats.drafted.append(self.last_draft_length)
+        self.stats.accepted.append(int(num_matches))
+        if self.last_confidences is not None:
+            self.policy.observe(self.last_confidences, int(num_matches), self.last_draft_seconds, self.committed + 1)
+
+    def _extend_key_padding(self, model_kwargs: dict[str, Any] | None, num_new: int) -> None:
+        mask = (model_kwargs or {}).get("attention_mask")
+        if mask is None:
+            new = None
+        else:
+            new = mask[:, self.committed : self.committed + num_new].bool().to(self.embed_tokens.weight.device)
+            if bool(new.all()):
+                new = None
+        if new is None and self.key_padding is None:
+            return
+        if new is None:
+            new = torch.ones(1, num_new, dtype=torch.bool, device=self.key_padding.device)
+        if self.key_padding is None:
+            self.key_padding = torch.ones(1, self.committed, dtype=torch.bool, device=new.device)
+        self.key_padding = torch.cat([self.key_padding, new], dim=-1)
+
+    def context_key_mask(self, num_queries: int, extra_keys: int, causal_extra: bool) -> torch.Tensor | None:
+        """Boolean mask (1, 1, q, committed + extra) over the drafter's context and new keys."""
+        if self.key_padding is None and not causal_extra:
+            return None
+        device = self.embed_tokens.weight.device
+        if causal_extra:
+            mask = causal_mask_with_prefix(num_queries, self.committed + extra_keys - num_queries, device)
+        else:
+            mask = torch.ones(1, 1, num_queries, self.committed + extra_keys, dtype=torch.bool, device=device)
+        if self.key_padding is not None:
+            padding = self.key_padding[:, None, None, :]
+            mask = mask.clone()
+            mask[..., : padding.shape[-1]] &= padding
+        return mask
+
+    def select(self, ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Process one position's logits exactly as the target's are, then pick the draft token.
+
+        Returns the processed float32 logits (the draft distribution q that speculative sampling
+        divides by) and the chosen token, shape (1, 1).
+        """
+        logits = logits.float()
+        if self.logits_processor is not None:
+            logits = self.logits_processor(ids, logits)
+        probabilities = logits.softmax(dim=-1) if self.do_sample or self.policy is not None else None
+        if self.do_sample:
+            token = torch.multinomial(probabilities, num_samples=1)
+        else:
+            token = logits.argmax(dim=-1, keepdim=True)
+        if self.policy is not None:
+            self.confidences.append(float(probabilities.gather(-1, token)[0, 0]))
+        return logits, token
+
+    def keep_drafting(self, context: int) -> bool:
+        """Sequential drafters ask after each token whether the draft policy wants another one."""
+        if self.policy is None or not hasattr(self.policy, "keep_drafting"):
+            return True
+        return self.policy.keep_drafting(self.confidences, context)
+
+    def ingest(self, input_ids: torch.LongTensor, features: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def draft(self, input_ids: torch.LongTensor, num_tokens: int) -> tuple[torch.LongTensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- base model
+
+
+def _is_checkpoint_failure(exc: Exception) -> bool:
+    return isinstance(exc, (OSError, RuntimeError, ValueError, KeyError)) or "safetensor" in type(exc).__name__.lower()
+
+
+class AngelSpecPreTrainedModel(PreTrainedModel):
+    """Base of the drafters: target binding, strict loading, and the ``generate`` hook."""
+
+    config_class = AngelSpecDrafterConfig
+    base_model_prefix = "drafter"
+    main_input_name = "input_ids"
+    _supports_sdpa = True
+    candidate_generator_class: type[AngelSpecCandidateGenerator] = AngelSpecCandidateGenerator
+
+    @property
+    def max_draft_tokens(self) -> int:
+        raise NotImplementedError
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            if getattr(module, "zero_init", False):
+                init.zeros_(module.weight)
+            else:
+                init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+
+    # -- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``PreTrainedModel.from_pretrained`` that refuses incomplete or corrupt checkpoints.
+
+        Plain ``transformers`` would warn and randomly initialise missing tensors, which looks like
+        a drafter that simply never gets accepted; here it is a `DrafterCheckpointError`.
+        Only safetensors files are read.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        kwargs.setdefault("use_safetensors", True)
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        except AngelSpecError:
+            raise
+        except Exception as exc:
+            if not _is_checkpoint_failure(exc):
+                raise
+            raise DrafterCheckpointError(
+                f"Could not load drafter weights from {str(pretrained_model_name_or_path)!r}: {exc}\n"
+                "Fix: point to a directory (or Hub repo) holding config.json and model.safetensors as written "
+                "by drafter.save_pretrained(); re-download or re-save it if the file is truncated or corrupt."
+            ) from exc
+        problems = {key: info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs") if info.get(key)}
+        if problems:
+            details = "; ".join(f"{key}: {sorted(map(str, value))[:8]}" for key, value in problems.items())
+            raise DrafterCheckpointError(
+                f"The drafter checkpoint at {str(pretrained_model_name_or_path)!r} does not match {cls.__name__}: "
+                f"{details}. Fix: the weights belong to another drafter configuration or were damaged; "
+                "re-save the drafter with save_pretrained() or load it with the class that wrote it."
+            )
+        return (model, info) if want_info else model
+
+    def push_to_hub(self, repo_id: str, private: bool | None = None, create_pr: bool = False, **kwargs):
+        """Upload weights, config, remote code and a generated model card (a card you wrote is kept).
+
+        With the ``angelspec_hf`` package installed the card lists the target, tags and measured
+        numbers; without it (remote code only) this is ``PreTrainedModel.push_to_hub``.
+        """
+        try:
+            from angelspec_hf.hub import push_drafter
+        except ImportError:
+            return super().push_to_hub(repo_id, private=private, create_pr=create_pr, **kwargs)
+        return push_drafter(self, repo_id, private=private, create_pr=create_pr, api=kwargs.pop("api", None),
+                            token=kwargs.pop("token", None), commit_message=kwargs.pop("commit_message", "Upload AngelSpec drafter"))
+
+    # -- binding -------------------------------------------------------------------------
+
+    @classmethod
+    def config_from_target(cls, target: PreTrainedModel, **overrides) -> AngelSpecDrafterConfig:
+        fields = target_config_fields(target)
+        fields.update(overrides)
+        return cls.config_class(**fields)
+
+    def check_target(self, target: PreTrainedModel) -> None:
+        """Raise `DrafterTargetMismatchError` unless ``target`` is the model this drafter was built for."""
+        problems = target_mismatches(self.config, target)
+        if problems:
+            built_for = self.config.target_name_or_path or "another target"
+            raise DrafterTargetMismatchError(
+                f"This {type(self).__name__} was built for {built_for!r}, not for "
+                f"{target_name(target) or type(target).__name__!r}: " + "; ".join(problems) + ". "
+                f"Fix: load the drafter trained for this target, or build one with "
+                f"{type(self).__name__}.from_target(target) and train it."
+            )
+
+    def validate_generate_call(self, input_ids: torch.Tensor, generation_config, model_kwargs: dict[str, Any]) -> None:
+        """Checks made before ``transformers`` starts assisted decoding, with typed errors."""
+        if input_ids.shape[0] != 1:
+            raise BatchSizeNotSupportedError(
+                f"target.generate(assistant_model=drafter) runs one sequence at a time, got a batch of "
+                f"{input_ids.shape[0]}. Fix: call generate once per prompt, or serve batches with "
+                "angelspec_hf.SpeculativeEngine."
+            )
+        if not model_kwargs.get("use_cache", True) or generation_config.use_cache is False:
+            raise UnsupportedCacheError(
+                "Speculative decoding needs the target's KV cache. Fix: drop use_cache=False."
+            )
+        cache = model_kwargs.get("past_key_values")
+        implementation = generation_config.cache_implementation
+        if (cache is not None and not isinstance(cache, DynamicCache)) or implementation not in (None, "dynamic"):
+            name = type(cache).__name__ if cache is not None else implementation
+            raise UnsupportedCacheError(
+                f"Speculative decoding must roll the target's cache back after a rejected draft, which {name} "
+                "cannot do. Fix: use the default DynamicCache (drop cache_implementation=... / past_key_values=...)."
+            )
+
+    def get_candidate_generator(self, target: PreTrainedModel, generation_config, logits_processor, **kwargs):
+        """Called by the ``generate`` dispatch (after `check_target`); the generator for one call."""
+        return self.candidate_generator_class(self, target, generation_config, logits_processor)
+
+
+# --------------------------------------------------------------------------- generate dispatch
+
+_DISPATCH_MARK = "_angelspec_hf_dispatch"
+
+
+def install_generate_integration() -> None:
+    """Teach ``GenerationMixin`` to ask an assistant for its own candidate generator.
+
+    Duck-typed on ``get_candidate_generator`` (with ``check_target`` and ``validate_generate_call``) so that drafters loaded as
+    remote code (not instances of our classes) work too; every other assistant, prompt lookup and
+    ``speculation_type="dflash"`` go to ``transformers``' own code unchanged. Idempotent.
+    """
+    dispatch = GenerationMixin._get_candidate_generator
+    if getattr(dispatch, _DISPATCH_MARK, False):
+        return
+    validate_mode = GenerationMixin._validate_generation_mode
+    assisted = GenerationMixin._assisted_decoding
+
+    def ours(assistant, generation_config) -> bool:
+        return hasattr(assistant, "get_candidate_generator") and getattr(generation_config, "speculation_type", None) != "dflash"
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        # Runs before transformers compares vocabularies, so a wrong target is named as such.
+        assistant = generation_mode_kwargs.get("assistant_model")
+        if ours(assistant, generation_config):
+            assistant.check_target(self)
+        return validate_mode(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    def _assisted_decoding(self, input_ids, *args, **kwargs):
+        assistant, generation_config = kwargs.get("assistant_model"), kwargs.get("generation_config")
+        if ours(assistant, generation_config):
+            assistant.validate_generate_call(input_ids, generation_config, kwargs)
+        return assisted(self, input_ids, *args, **kwargs)
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        assistant, generation_config = kwargs.get("assistant_model"), kwargs.get("generation_config")
+        if not ours(assistant, generation_config):
+            return dispatch(self, *args, **kwargs)
+        return assistant.get_candidate_generator(
+            target=self,
+            generation_config=generation_config,
+            logits_processor=kwargs.get("logits_processor"),
+            input_ids=kwargs.get("input_ids"),
+            model_kwargs=kwargs.get("model_kwargs"),
+        )
+
+    for name, function in (
+        ("_validate_generation_mode", _validate_generation_mode),
+        ("_assisted_decoding", _assisted_decoding),
+        ("_get_candidate_generator", _get_candidate_generator),
+    ):
+        setattr(function, _DISPATCH_MARK, True)
+        setattr(GenerationMixin, name, function)
+
+
+install_generate_integration()

@@ -1,0 +1,266 @@
+"""AngelSpec DFly drafter: drafts a whole block in one forward (diffusion style).
+
+The block is the anchor (last verified token) plus ``block_size - 1`` mask tokens embedded with
+the target's embeddings. Each draft layer attends bidirectionally inside the block and to keys and
+values built from target features of the committed context (never added to the residual stream).
+Hybrid conditioning and the left-to-right hidden-correction head are config switches, so DFlash
+(``conditioning="global"``, no correction) and DFlare (``"layerwise"``, no correction) are exact
+special cases. Single-file style (torch, transformers, sibling modules) so it ships as remote code.
+"""
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+
+from .configuration_angelspec_dfly import DFlyDrafterConfig
+from .modeling_angelspec_common import (
+    AngelSpecCandidateGenerator,
+    AngelSpecPreTrainedModel,
+    RMSNorm,
+    SwiGLU,
+    VocabSubsetHead,
+    apply_rotary,
+    attend,
+    rotary_cos_sin,
+    sorted_draft_token_ids,
+    split_heads,
+)
+
+
+class DFlyLayer(nn.Module):
+    """Qwen3-style layer whose keys/values are ``[context; block]`` and queries the block only."""
+
+    def __init__(self, config: DFlyDrafterConfig):
+        super().__init__()
+        size = config.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.rope_theta = config.rope_theta
+        self.input_norm = RMSNorm(size, config.rms_norm_eps)
+        self.q_proj = nn.Linear(size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(size, config.rms_norm_eps)
+        self.mlp = SwiGLU(size, config.intermediate_size, size)
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        k = apply_rotary(self.k_norm(split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim)), cos, sin)
+        return k, split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, positions, context_kv, mask=None):
+        """``x``: (batch, block, H); ``context_kv``: keys/values of the context from `keys_values`."""
+        h = self.input_norm(x)
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        q = apply_rotary(self.q_norm(split_heads(self.q_proj(h), self.num_heads, self.head_dim)), cos, sin)
+        k, v = self.keys_values(h, positions)
+        k = torch.cat([context_kv[0], k], dim=2)
+        v = torch.cat([context_kv[1], v], dim=2)
+        x = x + self.o_proj(attend(q, k, v, mask))
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class HiddenCorrection(nn.Module):
+    """``z' = z + SwiGLU([RMSNorm(z); RMSNorm(e_prev)])`` (the second norm optional); the output
+    projection starts at zero, so an untrained head is exactly DFlash."""
+
+    def __init__(self, config: DFlyDrafterConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.correction_embed_norm else None
+        self.mlp = SwiGLU(2 * config.hidden_size, config.correction_intermediate_size, config.hidden_size)
+        self.mlp.down_proj.zero_init = True
+
+    def forward(self, z: torch.Tensor, previous_embeds: torch.Tensor) -> torch.Tensor:
+        if self.embed_norm is not None:
+            previous_embeds = self.embed_norm(previous_embeds)
+        return z + self.mlp(torch.cat([self.norm(z), previous_embeds], dim=-1))
+
+
+class DFlyDrafter(AngelSpecPreTrainedModel):
+    """Block-parallel drafter with hybrid target conditioning and a hidden-correction head.
+
+    Build one for a target with ``DFlyDrafter.from_target(target, block_size=8)``; use it with
+    ``target.generate(**inputs, assistant_model=drafter)``.
+    """
+
+    config_class = DFlyDrafterConfig
+    _no_split_modules = ["DFlyLayer"]
+
+    def __init__(self, config: DFlyDrafterConfig):
+        super().__init__(config)
+        size, num_context = config.hidden_size, len(config.target_layer_ids)
+        if config.conditioning in ("global", "hybrid"):
+            self.context_proj = nn.Linear(num_context * size, size, bias=False)
+        if config.conditioning in ("layerwise", "hybrid"):
+            self.layer_fusion_weights = nn.Parameter(torch.zeros(config.num_hidden_layers, num_context))
+        self.context_norm = RMSNorm(size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlyLayer(config) for _ in range(config.num_hidden_layers))
+        self.hidden_correction = HiddenCorrection(config) if config.hidden_correction else None
+        self.final_norm = RMSNorm(size, config.rms_norm_eps)
+        if config.uses_reduced_vocab:
+            # Target ids the drafter may propose; their rows of the target's lm_head score them.
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if module is self and hasattr(self, "layer_fusion_weights"):
+            # Zero logits = an even mix of the target layers.
+            init.zeros_(self.layer_fusion_weights)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.config.block_size - 1
+
+    def contexts(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per draft layer, the context ``g(i)`` of each position from the target layers' features."""
+        conditioning = self.config.conditioning
+        fused = self.context_proj(torch.cat(features, dim=-1)) if conditioning != "layerwise" else None
+        if conditioning == "global":
+            return [self.context_norm(fused)] * len(self.layers)
+        stacked = torch.stack(features, dim=-1)  # (batch, seq, H, num_context)
+        mixes = torch.softmax(self.layer_fusion_weights.float(), dim=-1).to(stacked.dtype)
+        per_layer = [stacked @ mixes[i] for i in range(len(self.layers))]
+        if fused is not None:
+            per_layer = [fused + mix for mix in per_layer]
+        return [self.context_norm(context) for context in per_layer]
+
+    def context_keys_values(self, features: list[torch.Tensor], positions: torch.Tensor):
+        """Keys/values each draft layer keeps for the given committed positions."""
+        return [layer.keys_values(context, positions) for layer, context in zip(self.layers, self.contexts(features))]
+
+    def forward(self, block_embeds, positions, context_kv, attention_mask=None):
+        """Backbone hidden states ``z`` of a block (before correction and final norm).
+
+        Args:
+            block_embeds: (batch, block, H) embeddings of the anchor and mask tokens.
+            positions: (batch, block) absolute positions of the block.
+            context_kv: per layer ``(keys, values)`` of the context, from `context_keys_values`.
+            attention_mask: optional boolean (batch, 1, block, context + block).
+        """
+        x = block_embeds
+        for layer, layer_kv in zip(self.layers, context_kv):
+            x = layer(x, positions, layer_kv, attention_mask)
+        return x
+
+    def correct(self, z: torch.Tensor, previous_embeds: torch.Tensor) -> torch.Tensor:
+        return z if self.hidden_correction is None else self.hidden_correction(z, previous_embeds)
+
+    def logits(self, z: torch.Tensor, target_lm_head) -> torch.Tensor:
+        """Logits of backbone/corrected states through ``target_lm_head`` or a `draft_head` of it."""
+        return target_lm_head(self.final_norm(z).to(target_lm_head.weight.dtype))
+
+    def draft_head(self, target_lm_head: nn.Module):
+        """The head drafting uses: the target's, or only its draft-vocabulary rows (gather once per call).
+
+        Training keeps the full head, so a reduced vocabulary can be set after training.
+        """
+        if not self.config.uses_reduced_vocab:
+            return target_lm_head
+        return VocabSubsetHead(target_lm_head, self.draft_vocab, self.config.vocab_size)
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """Target ids the drafter may propose (all of them without a reduced vocabulary)."""
+        if not self.config.uses_reduced_vocab:
+            return torch.arange(self.config.vocab_size, device=self.device)
+        return self.draft_vocab
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Limit drafting to ``token_ids`` (for example the most frequent tokens of the training data)."""
+        ids = sorted_draft_token_ids(token_ids, self.config.vocab_size)
+        if ids.numel() >= self.config.vocab_size:
+            if hasattr(self, "draft_vocab"):
+                del self.draft_vocab
+            self.config.draft_vocab_size = None
+            return
+        self.config.draft_vocab_size = ids.numel()
+        self.register_buffer("draft_vocab", ids.to(self.final_norm.weight.device))
+
+    @classmethod
+    def from_target(
+        cls, target: PreTrainedModel, block_size: int = 8, mask_token_id: int | None = None,
+        draft_token_ids: list[int] | torch.Tensor | None = None, **overrides
+    ) -> "DFlyDrafter":
+        """A fresh (untrained) drafter sized and bound for ``target``.
+
+        The mask token defaults to the target's ``unk_token_id`` when it is not also its
+        BOS/EOS/PAD token, else to the last vocabulary id: any id the target does not emit works.
+        ``draft_token_ids`` limits drafting to those target tokens (see `set_draft_vocab`).
+        """
+        if mask_token_id is None:
+            mask_token_id = default_mask_token_id(target)
+        overrides.setdefault("correction_embed_norm", True)
+        config = cls.config_from_target(target, block_size=block_size, mask_token_id=mask_token_id, **overrides)
+        drafter = cls(config).to(device=target.device)
+        if draft_token_ids is not None:
+            drafter.set_draft_vocab(draft_token_ids)
+        return drafter
+
+
+def default_mask_token_id(target: PreTrainedModel) -> int:
+    text = target.config.get_text_config()
+    special = set()
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(text, name, None)
+        special.update(value if isinstance(value, list) else [value])
+    unk = getattr(text, "unk_token_id", None)
+    if isinstance(unk, int) and unk not in special:
+        return unk
+    return text.vocab_size - 1
+
+
+class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
+    """Keeps per-layer context keys/values of committed positions; drafts one block per round."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.draft_lm_head = self.drafter.draft_head(self.lm_head)
+
+    def ingest(self, input_ids, features):
+        positions = torch.arange(self.committed, self.committed + features[0].shape[1], device=input_ids.device)[None]
+        new = self.drafter.context_keys_values(features, positions)
+        if self.context_kv is None:
+            self.context_kv = new
+        else:
+            self.context_kv = [
+                (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(self.context_kv, new)
+            ]
+
+    def draft(self, input_ids, num_tokens):
+        drafter = self.drafter
+        config = drafter.config
+        anchor = input_ids[:, -1:]
+        block_ids = torch.cat([anchor, anchor.new_full((1, config.block_size - 1), config.mask_token_id)], dim=-1)
+        start = input_ids.shape[1] - 1
+        positions = torch.arange(start, start + config.block_size, device=input_ids.device)[None]
+        mask = self.context_key_mask(config.block_size, config.block_size, causal_extra=False)
+        z = drafter(self.embed_tokens(block_ids).to(drafter.dtype), positions, self.context_kv, mask)[:, 1 : num_tokens + 1]
+        # Without the correction head every position's logits are known at once: one lm_head call
+        # (the head is memory-bound, so k rows cost about what one row does).
+        logits_all = drafter.logits(z, self.draft_lm_head) if drafter.hidden_correction is None else None
+        ids, previous = input_ids, anchor
+        tokens, all_logits = [], []
+        for index in range(num_tokens):
+            if logits_all is None:
+                hidden = drafter.correct(z[:, index], self.embed_tokens(previous).to(drafter.dtype)[:, 0])
+                position_logits = drafter.logits(hidden, self.draft_lm_head)
+            else:
+                position_logits = logits_all[:, index]
+            logits, token = self.select(ids, position_logits)
+            tokens.append(token)
+            all_logits.append(logits)
+            ids = torch.cat([ids, token], dim=-1)
+            previous = token
+            if logits_all is None and not self.keep_drafting(input_ids.shape[1]):
+                break
+        return torch.cat(tokens, dim=-1), torch.stack(all_logits, dim=1)
+
+
+DFlyDrafter.candidate_generator_class = DFlyCandidateGenerator
+DFlyDrafterConfig.register_for_auto_class()
+DFlyDrafter.register_for_auto_class("AutoModel")

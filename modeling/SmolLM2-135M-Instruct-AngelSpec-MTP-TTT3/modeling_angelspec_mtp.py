@@ -1,0 +1,217 @@
+"""AngelSpec MTP drafter: one EAGLE-3 style decoder layer, drafting token by token.
+
+Input at target position t: the fused target feature (or, once the draft runs ahead of the
+target, the drafter's own previous hidden state) and the embedding of token t+1; output: the
+token at t+2. Single-file style (torch, transformers, sibling modules) so it ships as remote code.
+"""
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .configuration_angelspec_mtp import MTPDrafterConfig
+from .modeling_angelspec_common import (
+    AngelSpecCandidateGenerator,
+    AngelSpecPreTrainedModel,
+    RMSNorm,
+    SwiGLU,
+    apply_rotary,
+    attend,
+    expand_to_vocab,
+    rotary_cos_sin,
+    sorted_draft_token_ids,
+    split_heads,
+)
+
+
+class MTPAttention(nn.Module):
+    """Attention over ``[norm(embedding); norm(hidden)]`` (2H wide), as in EAGLE-3."""
+
+    def __init__(self, config: MTPDrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.rope_theta = config.rope_theta
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x, positions, past_key_values=None, mask=None):
+        """Returns the attention output and the keys/values including ``past_key_values``."""
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        q = apply_rotary(split_heads(self.q_proj(x), self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim), cos, sin)
+        v = split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
+        if past_key_values is not None:
+            k = torch.cat([past_key_values[0], k], dim=2)
+            v = torch.cat([past_key_values[1], v], dim=2)
+        return self.o_proj(attend(q, k, v, mask)), (k, v)
+
+
+class MTPDrafter(AngelSpecPreTrainedModel):
+    """Autoregressive MTP drafter, trained with training-time test (see DESIGN.md).
+
+    Build one for a target with ``MTPDrafter.from_target(target)``; use it with
+    ``target.generate(**inputs, assistant_model=drafter)``.
+    """
+
+    config_class = MTPDrafterConfig
+    _no_split_modules = ["MTPAttention"]
+
+    def __init__(self, config: MTPDrafterConfig):
+        super().__init__(config)
+        size = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * size, size, bias=False)
+        self.input_norm = RMSNorm(size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(size, config.rms_norm_eps)
+        self.self_attn = MTPAttention(config)
+        self.post_attention_norm = RMSNorm(size, config.rms_norm_eps)
+        self.mlp = SwiGLU(size, config.intermediate_size, size)
+        self.norm = RMSNorm(size, config.rms_norm_eps)
+        if config.uses_reduced_vocab:
+            self.lm_head = nn.Linear(size, config.draft_vocab_size, bias=False)
+            # EAGLE-3 layout: target id = draft id + d2t[draft id]; t2d marks target ids in the draft vocab.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        else:
+            self.lm_head = None
+        self.post_init()
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.config.num_draft_tokens
+
+    def fuse(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """Project the concatenated target layers to the drafter width."""
+        return self.fc(torch.cat(features, dim=-1))
+
+    def forward(self, hidden, input_embeds, positions, past_key_values=None, attention_mask=None):
+        """One decoder step for a chunk of positions.
+
+        Args:
+            hidden: (batch, seq, H) fused target features or the drafter's own previous outputs.
+            input_embeds: (batch, seq, H) embeddings of the next tokens.
+            positions: (batch, seq) absolute positions.
+            past_key_values: optional ``(keys, values)`` of earlier positions.
+            attention_mask: optional boolean (batch, 1, seq, past + seq), True where attention is allowed.
+        Returns:
+            ``(hidden_out, (keys, values))``; ``hidden_out`` feeds ``logits`` and the next step.
+        """
+        x = torch.cat([self.input_norm(input_embeds), self.hidden_norm(hidden)], dim=-1)
+        attn, present = self.self_attn(x, positions, past_key_values, attention_mask)
+        hidden = hidden + attn
+        hidden = hidden + self.mlp(self.post_attention_norm(hidden))
+        return hidden, present
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, in draft-vocabulary order."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def vocab_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        """Logits over the drafter's own vocabulary: the reduced one if it has one, else the target's."""
+        normed = self.norm(hidden)
+        if self.lm_head is None:
+            return target_lm_head(normed.to(target_lm_head.weight.dtype))
+        return self.lm_head(normed)
+
+    def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        """Logits over the target vocabulary; tokens outside a reduced draft vocabulary get -inf."""
+        draft = self.vocab_logits(hidden, target_lm_head)
+        if self.lm_head is None:
+            return draft
+        return expand_to_vocab(draft, self.draft_token_ids(), self.config.vocab_size)
+
+    @classmethod
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        num_draft_tokens: int = 3,
+        draft_vocab_size: int | None = None,
+        draft_token_ids: list[int] | torch.Tensor | None = None,
+        **overrides,
+    ) -> "MTPDrafter":
+        """A fresh (untrained) drafter sized and bound for ``target``.
+
+        A reduced draft vocabulary is given by ``draft_token_ids`` (for example the most frequent
+        tokens of the training data) or, with only ``draft_vocab_size``, the lowest ids (BPE
+        vocabularies put frequent merges first). Its ``lm_head`` starts from the target's rows.
+        """
+        if draft_token_ids is not None:
+            vocab_size = target.config.get_text_config().vocab_size
+            draft_token_ids = sorted_draft_token_ids(draft_token_ids, vocab_size, draft_vocab_size)
+            draft_vocab_size = draft_token_ids.numel()
+        config = cls.config_from_target(
+            target, num_draft_tokens=num_draft_tokens, ttt_steps=overrides.pop("ttt_steps", num_draft_tokens),
+            draft_vocab_size=draft_vocab_size, **overrides,
+        )
+        drafter = cls(config).to(device=target.device)
+        if config.uses_reduced_vocab:
+            ids = draft_token_ids if draft_token_ids is not None else torch.arange(draft_vocab_size)
+            drafter.set_draft_vocab(ids.to(target.device), target.get_output_embeddings().weight)
+        return drafter
+
+    def set_draft_vocab(self, token_ids: torch.Tensor, target_lm_head_weight: torch.Tensor | None = None) -> None:
+        """Fill ``d2t``/``t2d`` from sorted target ids and, optionally, copy their ``lm_head`` rows."""
+        with torch.no_grad():
+            self.d2t.copy_(token_ids - torch.arange(token_ids.numel(), device=token_ids.device))
+            self.t2d.zero_()
+            self.t2d[token_ids] = True
+            if target_lm_head_weight is not None:
+                self.lm_head.weight.copy_(target_lm_head_weight[token_ids].to(self.lm_head.weight.dtype))
+
+
+class MTPCandidateGenerator(AngelSpecCandidateGenerator):
+    """Keeps the drafter's KV cache: committed positions from target features, then draft steps."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.past: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.last_hidden: torch.Tensor | None = None
+
+    def _crop_to_committed(self) -> None:
+        if self.past is not None:
+            self.past = (self.past[0][:, :, : self.committed], self.past[1][:, :, : self.committed])
+
+    def ingest(self, input_ids, features):
+        # Draft steps of the last round wrote entries computed from the drafter's own hidden
+        # states; the target has now verified those positions, so they are recomputed from its features.
+        self._crop_to_committed()
+        drafter = self.drafter
+        num_new = features[0].shape[1]
+        start = self.committed
+        tokens = input_ids[:, start + 1 : start + 1 + num_new]
+        positions = torch.arange(start, start + num_new, device=input_ids.device)[None]
+        mask = self.context_key_mask(num_new, num_new, causal_extra=True)
+        hidden, self.past = drafter(
+            drafter.fuse(features), self._embed(tokens), positions, self.past, mask
+        )
+        self.last_hidden = hidden[:, -1:]
+
+    def draft(self, input_ids, num_tokens):
+        drafter = self.drafter
+        ids, hidden = input_ids, self.last_hidden
+        tokens, all_logits = [], []
+        position = input_ids.shape[1] - 1
+        for step in range(num_tokens):
+            if step:
+                mask = self.context_key_mask(1, self.past[0].shape[2] - self.committed + 1, causal_extra=False)
+                hidden, self.past = drafter(
+                    hidden, self._embed(tokens[-1]), torch.tensor([[position]], device=ids.device), self.past, mask
+                )
+            logits, token = self.select(ids, drafter.logits(hidden[:, -1], self.lm_head))
+            tokens.append(token)
+            all_logits.append(logits)
+            ids = torch.cat([ids, token], dim=-1)
+            position += 1
+            if not self.keep_drafting(input_ids.shape[1]):
+                break
+        return torch.cat(tokens, dim=-1), torch.stack(all_logits, dim=1)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens).to(self.drafter.dtype)
+
+
+MTPDrafter.candidate_generator_class = MTPCandidateGenerator
+MTPDrafterConfig.register_for_auto_class()
+MTPDrafter.register_for_auto_class("AutoModel")
