@@ -119,7 +119,7 @@ def test_calibration_learns_that_confident_drafts_fail():
 
 
 def test_policy_stops_drafting_when_it_does_not_pay_and_explores():
-    policy = DCutPolicy(linear_cost(0.1, 0.05), explore_every=4)
+    policy = DCutPolicy(linear_cost(0.1, 0.05), explore_every=4, max_backoff=1)
     assert policy.should_draft()
     for _ in range(10):
         policy.observe([0.9, 0.9], accepted=0, draft_seconds=0.1, context=50)
@@ -128,6 +128,18 @@ def test_policy_stops_drafting_when_it_does_not_pay_and_explores():
     for _ in range(30):
         policy.observe([0.9, 0.9, 0.9], accepted=3, draft_seconds=0.01, context=50)
     assert policy.should_draft()
+
+
+def test_retries_that_do_not_pay_back_off():
+    policy = DCutPolicy(linear_cost(0.1, 0.05), explore_every=4, max_backoff=4)
+    policy.observe([0.9, 0.9], accepted=0, draft_seconds=0.1, context=50)
+    assert policy.backoff == 2 and [policy.should_draft() for _ in range(8)] == [False] * 7 + [True]
+    policy.observe([0.9, 0.9], accepted=0, draft_seconds=0.1, context=50)
+    policy.observe([0.9, 0.9], accepted=0, draft_seconds=0.1, context=50)
+    assert policy.backoff == 4 and [policy.should_draft() for _ in range(16)] == [False] * 15 + [True]
+    for _ in range(30):  # drafting pays again: back to the short wait, and drafting every round
+        policy.observe([0.9, 0.9, 0.9], accepted=3, draft_seconds=0.01, context=50)
+    assert policy.backoff == 1 and policy.should_draft()
 
 
 @pytest.mark.parametrize("kind", ["mtp", "dfly-hybrid-corr", "dfly-global-nocorr"])

@@ -119,14 +119,18 @@ class FixedLengthPolicy:
 
 
 class _DraftGate:
-    """Stops drafting while it has not been paying and retries every ``explore_every`` rounds."""
+    """Stops drafting while it has not been paying and retries after ``explore_every`` rounds,
+    doubling the wait after every retry that did not pay either (up to ``max_backoff`` times),
+    since each retry costs a drafting round that is slower than plain decoding."""
 
-    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2):
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8):
         self.cost_model = cost_model
         self.calibrator = Calibrator()
         self.explore_every = explore_every
         self.smoothing = smoothing
+        self.max_backoff = max_backoff
         self.efficiency: float | None = None  # moving average of (tokens/s drafting) / (tokens/s plain)
+        self.backoff = 1
         self.skipped = 0
         self.decisions = 0
 
@@ -134,20 +138,21 @@ class _DraftGate:
         if self.efficiency is None or self.efficiency >= 1.0:
             return True
         self.skipped += 1
-        if self.skipped >= self.explore_every:
+        if self.skipped >= self.explore_every * self.backoff:
             self.skipped = 0
             return True
         return False
 
     def _record_rate(self, tokens_per_second: float, plain_tokens_per_second: float) -> None:
         self.efficiency = _moving(self.efficiency, tokens_per_second / plain_tokens_per_second, self.smoothing)
+        self.backoff = 1 if self.efficiency >= 1.0 else min(2 * self.backoff, self.max_backoff)
 
 
 class DCutPolicy(_DraftGate):
     """Cost-aware draft cutting for one drafter at batch 1 (see the module docstring)."""
 
-    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2):
-        super().__init__(cost_model, explore_every, smoothing)
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8):
+        super().__init__(cost_model, explore_every, smoothing, max_backoff)
         self.draft_seconds: float | None = None  # moving average of one round's drafting time
 
     def verify(self, context: int):
@@ -186,8 +191,8 @@ class BatchDCutPolicy(_DraftGate):
     confidences after it, and `observe` once the step's forward has been verified.
     """
 
-    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2):
-        super().__init__(cost_model, explore_every, smoothing)
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8):
+        super().__init__(cost_model, explore_every, smoothing, max_backoff)
         self.windows: list[int] = []  # chosen window of every drafting step, for reports
 
     def verify(self, batch: int, context: int):

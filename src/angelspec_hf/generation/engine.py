@@ -58,7 +58,9 @@ class _Row:
     arm: str = NO_DRAFTER
     schedule: list[str] = field(default_factory=list)  # arms still to probe, in order
     arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds]
-    outputs: object | None = None  # this row's slice of the last forward's hidden states
+    # Hidden states of the row's committed positions its drafters have not ingested yet, one
+    # entry per forward; ingestion waits while the batch policy has drafting switched off.
+    pending: list = field(default_factory=list)
     draft_logits: torch.Tensor | None = None  # processed draft logits of the current round (sampling)
     draft_seconds: float = 0.0
     accepted: list[int] = field(default_factory=list)
@@ -222,10 +224,20 @@ class SpeculativeEngine:
         return self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=True, output_hidden_states=wanted)
 
-    def _row_outputs(self, out, row: int):
+    def _row_outputs(self, out, row: int, committed: int):
+        """The hidden states of one row's ``committed`` leading window positions."""
         if not self.layer_ids:
             return None
-        return SimpleNamespace(hidden_states=tuple(h[row : row + 1] if h is not None else None for h in out.hidden_states))
+        return tuple(h[row : row + 1, :committed] if h is not None else None for h in out.hidden_states)
+
+    @staticmethod
+    def _take_pending(row: _Row) -> SimpleNamespace:
+        """Every not yet ingested position of a row, as one forward's outputs."""
+        pending, row.pending = row.pending, []
+        if len(pending) == 1:
+            return SimpleNamespace(hidden_states=pending[0])
+        layers = zip(*pending)
+        return SimpleNamespace(hidden_states=tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in layers))
 
     def _join(self, rows, cache, valid, joining, eos):
         """Prefill the joining prompts in their own cache, take their first token, merge the caches."""
@@ -242,7 +254,7 @@ class SpeculativeEngine:
         for i, row in enumerate(joining):
             row.tokens.append(self._choose(row.tokens, out.logits[i, row.prompt_length - 1]))
             self._assign_drafters(row)
-            row.outputs = self._row_outputs(out, i)
+            row.pending.append(self._row_outputs(out, i, row.prompt_length))
         new_valid = mask.bool()
         if cache is None:
             return new_cache, new_valid
@@ -312,11 +324,15 @@ class SpeculativeEngine:
             if not is_active or not row.generators:
                 drafts.append([])
                 continue
+            if not drafting:
+                drafts.append([])
+                continue
             ids = torch.tensor([row.tokens], device=self.target.device)
             start = time.perf_counter()
+            outputs = self._take_pending(row)
             for generator in row.generators.values():
-                generator.observe_outputs(ids, row.outputs)
-            if row.generator is None or not drafting:
+                generator.observe_outputs(ids, outputs)
+            if row.generator is None:
                 drafts.append([])
             else:
                 candidates, row.draft_logits = row.generator.propose(ids)
@@ -365,7 +381,7 @@ class SpeculativeEngine:
                 row.accepted.append(len(new) - 1)
                 if row.generator is not None:
                     row.generator.update_candidate_strategy(None, None, len(new) - 1)
-                row.outputs = self._row_outputs(out, i)
+                row.pending.append(self._row_outputs(out, i, len(new)))
                 self._score(row, len(new), row.draft_seconds + verify_share)
         if policy is not None and drafting:
             policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows))
