@@ -22,7 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install --quiet --no-deps dflash==0.1.0
 	# Debian's chromium renders the Space in its browser test; installed when missing and root.
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
-		{ apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
 		echo "note: Debian chromium could not be installed; the Space's browser test will be skipped"
 	touch $(STAMP)
 
