@@ -321,10 +321,7 @@ class SpeculativeEngine:
         drafts = []
         for row, is_active in zip(rows, active):
             row.draft_seconds = 0.0
-            if not is_active or not row.generators:
-                drafts.append([])
-                continue
-            if not drafting:
+            if not (is_active and row.generators and drafting):
                 drafts.append([])
                 continue
             ids = torch.tensor([row.tokens], device=self.target.device)

@@ -136,7 +136,8 @@ def load_eagle3(path: str | Path, target=None, num_target_layers: int | None = N
         for name in ("lm_head.weight", "d2t", "t2d"):
             inverse.pop(name)
         head = theirs.pop("lm_head.weight", None)
-        theirs.pop("d2t", None), theirs.pop("t2d", None)
+        for name in ("d2t", "t2d"):  # identity maps of a full-vocabulary head
+            theirs.pop(name, None)
         if head is not None and target is not None and not torch.equal(
             head.to(target.dtype), target.get_output_embeddings().weight.detach().cpu()
         ):
