@@ -6,7 +6,8 @@ Writes, depending on the drafter:
 - DFlash-mode block drafter: the z-lab DFlash format (vLLM, SGLang) and transformers' own DFlash
   assistant (``target.generate(..., speculation_type="dflash")``);
 - DFly (hybrid conditioning) or DFlare drafter: AngelSpec's Qwen3DFlyModel / DFlare format;
-- MTP drafter: EAGLE-3 (LlamaForCausalLMEagle3; a full-vocabulary one needs the target for its lm_head).
+- MTP drafter: EAGLE-3 (LlamaForCausalLMEagle3; a full-vocabulary one needs the target for its lm_head),
+  or, with the DeepSeek-style layer (recipe mtp-chat-deepseek), AngelSpec's MTPDraftModel.
 and reads each export back. The shell equivalent is `angelspec-hf convert --to FORMAT SRC DST`.
 """
 
@@ -17,10 +18,12 @@ from transformers import AutoModel
 
 from angelspec_hf.interop import (
     export_angelspec,
+    export_angelspec_mtp,
     export_dflash,
     export_eagle3,
     export_transformers_dflash,
     load_angelspec,
+    load_angelspec_mtp,
     load_dflash,
     load_eagle3,
 )
@@ -28,7 +31,12 @@ from angelspec_hf.reference import load_reference_target
 
 source, out = sys.argv[1], Path(sys.argv[2])
 drafter = AutoModel.from_pretrained(source)
-if drafter.config.model_type == "angelspec_mtp":
+if drafter.config.model_type == "angelspec_mtp" and drafter.config.layer_style == "deepseek":
+    target, _ = load_reference_target()
+    export_angelspec_mtp(drafter, out / "angelspec-mtp", target=target)
+    print("AngelSpec MTPDraftModel:", out / "angelspec-mtp", "reads back as",
+          type(load_angelspec_mtp(out / "angelspec-mtp", target=target)).__name__)
+elif drafter.config.model_type == "angelspec_mtp":
     target, _ = load_reference_target()
     export_eagle3(drafter, out / "eagle3", target=target)
     print("EAGLE-3:", out / "eagle3", "reads back as", type(load_eagle3(out / "eagle3", target=target)).__name__)

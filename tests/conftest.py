@@ -17,10 +17,11 @@ torch.set_num_threads(1)
 
 PROMPT_LENGTH = 6
 FAMILIES = ("llama", "qwen3")
-# Every DFly switch combination, and MTP and DFly with and without a reduced vocabulary.
+# Every DFly switch combination, MTP and DFly with and without a reduced vocabulary, and the DeepSeek-style MTP layer.
 DRAFTER_KINDS = (
     "mtp",
     "mtp-reduced",
+    "mtp-deepseek",
     *(f"dfly-{conditioning}-{'corr' if correction else 'nocorr'}"
       for conditioning in ("global", "layerwise", "hybrid") for correction in (True, False)),
     "dfly-hybrid-corr-reduced",
@@ -35,6 +36,8 @@ def build_drafter(kind: str, target, sequences=None):
     """An untrained drafter of ``kind`` for ``target``; with ``sequences``, the reduced vocabulary covers them."""
     if kind == "mtp":
         return MTPDrafter.from_target(target, num_draft_tokens=4)
+    if kind == "mtp-deepseek":
+        return MTPDrafter.from_target(target, num_draft_tokens=4, layer_style="deepseek")
     if kind == "mtp-reduced":
         return MTPDrafter.from_target(target, num_draft_tokens=4, draft_token_ids=reduced_vocab(target, sequences))
     _, conditioning, correction, *reduced = kind.split("-")

@@ -98,3 +98,12 @@ def tiny_tokenizer(vocab_size: int = 96):
         "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5 {% endif %}"
     )
     return tokenizer
+
+
+def same_generation(target, a, b, prompt: torch.Tensor | None = None) -> bool:
+    """Drafters ``a`` and ``b`` give the same greedy tokens and the same acceptance on one prompt."""
+    prompt = torch.tensor([[5, 17, 33, 2, 61, 8]]) if prompt is None else prompt
+    first = target.generate(prompt, assistant_model=a, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    stats = a.last_speculation_stats.as_dict()
+    second = target.generate(prompt, assistant_model=b, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    return torch.equal(first, second) and b.last_speculation_stats.as_dict() == stats

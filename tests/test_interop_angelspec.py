@@ -13,17 +13,13 @@ from angelspec_hf.errors import DrafterCheckpointError, DrafterConfigError
 from angelspec_hf.interop import export_angelspec, load_angelspec
 from angelspec_hf.interop.angelspec import angelspec_drafter_config
 from conftest import PROMPT_LENGTH
+from fitting import same_generation as same_target_generation
 
 FORMATS = Path(__file__).resolve().parents[2] / "shared" / "data" / "formats"
 
 
 def same_generation(targets, a, b) -> bool:
-    target = targets.target("llama")
-    prompt = targets.sequences("llama")[:1, :PROMPT_LENGTH]
-    first = target.generate(prompt, assistant_model=a, max_new_tokens=20, do_sample=False, eos_token_id=None)
-    stats = a.last_speculation_stats.as_dict()
-    second = target.generate(prompt, assistant_model=b, max_new_tokens=20, do_sample=False, eos_token_id=None)
-    return torch.equal(first, second) and b.last_speculation_stats.as_dict() == stats
+    return same_target_generation(targets.target("llama"), a, b, targets.sequences("llama")[:1, :PROMPT_LENGTH])
 
 
 @pytest.mark.parametrize("kind", ["dfly-hybrid-corr", "dfly-layerwise-nocorr"])

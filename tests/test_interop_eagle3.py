@@ -12,7 +12,7 @@ from angelspec_hf.interop import export_eagle3, load_eagle3
 from angelspec_hf.interop.eagle3 import eagle3_drafter_config
 from angelspec_hf import MTPDrafter
 from conftest import PROMPT_LENGTH, reduced_vocab
-from fitting import fit_mtp
+from fitting import fit_mtp, same_generation
 
 FORMATS = Path(__file__).resolve().parents[2] / "shared" / "data" / "formats"
 EAGLE3_CONFIGS = ("angelspec_qwen3_8b_eagle3.json", "specforge_llama3-8B-eagle3.json",
@@ -29,14 +29,6 @@ def eagle_drafters(targets):
         drafter = MTPDrafter.from_target(target, num_draft_tokens=4, target_layer_ids=[0, 1, 2], draft_token_ids=ids)
         drafters[kind] = fit_mtp(drafter, target, sequences, PROMPT_LENGTH, steps=150)
     return drafters
-
-
-def same_generation(target, a, b):
-    prompt = torch.tensor([[5, 17, 33, 2, 61, 8]])
-    first = target.generate(prompt, assistant_model=a, max_new_tokens=20, do_sample=False, eos_token_id=None)
-    stats = a.last_speculation_stats.as_dict()
-    second = target.generate(prompt, assistant_model=b, max_new_tokens=20, do_sample=False, eos_token_id=None)
-    return torch.equal(first, second) and b.last_speculation_stats.as_dict() == stats
 
 
 @pytest.mark.parametrize("kind", ["mtp-reduced", "mtp"])

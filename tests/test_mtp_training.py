@@ -20,13 +20,13 @@ def run_chain(target, drafter, sequences, **kwargs):
                       **kwargs)
 
 
-@pytest.mark.parametrize("reduced", [False, True])
-def test_unrolled_chain_drafts_what_inference_drafts(targets, reduced):
+@pytest.mark.parametrize("reduced,style", [(False, "eagle3"), (True, "eagle3"), (False, "deepseek")])
+def test_unrolled_chain_drafts_what_inference_drafts(targets, reduced, style):
     target = targets.target("llama")
     sequence = targets.sequences("llama")[:1]
     torch.manual_seed(1)
     ids = torch.unique(sequence) if reduced else None
-    drafter = MTPDrafter.from_target(target, num_draft_tokens=3, draft_token_ids=ids).eval()
+    drafter = MTPDrafter.from_target(target, num_draft_tokens=3, draft_token_ids=ids, layer_style=style).eval()
     with torch.no_grad():
         chain = run_chain(target, drafter, sequence)
     for origin in (PROMPT_LENGTH, 12, 25):
@@ -69,16 +69,17 @@ def test_ttt_switch_and_objectives(targets):
     assert 0.0 <= result.loss.item() <= 1.0
 
 
-@pytest.mark.parametrize("draft_vocab_size", [None, 48])
-def test_mtp_recipe_training_improves_tau(targets, tmp_path, draft_vocab_size):
+@pytest.mark.parametrize("name,draft_vocab_size", [("mtp-chat", None), ("mtp-chat", 48), ("mtp-chat-deepseek", None)])
+def test_mtp_recipe_training_improves_tau(targets, tmp_path, name, draft_vocab_size):
     target = targets.target("llama")
     sequences = targets.sequences("llama")
     rows = [{"input_ids": row.tolist(), "loss_start": PROMPT_LENGTH} for row in sequences]
-    recipe = Recipe(name="mtp-chat", num_draft_tokens=3, draft_vocab_size=draft_vocab_size, lk_steps=60, tv_steps=15,
+    recipe = Recipe(name=name, num_draft_tokens=3, draft_vocab_size=draft_vocab_size, lk_steps=60, tv_steps=15,
                     batch_size=6, learning_rate=3e-3, logging_steps=5)
     train_drafter(target, rows, tmp_path, recipe, pad_token_id=0)
     loaded = AutoModel.from_pretrained(tmp_path / "final").eval()
     assert loaded.config.uses_reduced_vocab == (draft_vocab_size is not None)
+    assert loaded.config.layer_style == ("deepseek" if name.endswith("deepseek") else "eagle3")
     untrained = MTPDrafter.from_target(target, num_draft_tokens=3).eval()
     taus = {}
     for name, model in (("untrained", untrained), ("trained", loaded)):

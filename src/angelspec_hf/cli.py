@@ -113,21 +113,27 @@ def run_push(args: argparse.Namespace) -> int:
 def run_convert(args: argparse.Namespace) -> int:
     from .interop import (
         export_angelspec,
+        export_angelspec_mtp,
         export_dflash,
         export_eagle3,
         export_transformers_dflash,
         load_angelspec,
+        load_angelspec_mtp,
         load_dflash,
         load_eagle3,
     )
 
-    target = load_target(args.target)[0] if args.target else None
+    target = load_target_model(args.target) if args.target else None
     if args.to == "dflash":
         export_dflash(AutoModel.from_pretrained(args.source), args.destination)
     elif args.to == "eagle3":
         export_eagle3(AutoModel.from_pretrained(args.source), args.destination, target=target)
     elif args.to == "angelspec":
-        export_angelspec(AutoModel.from_pretrained(args.source), args.destination)
+        drafter = AutoModel.from_pretrained(args.source)
+        if drafter.config.model_type == "angelspec_mtp":
+            export_angelspec_mtp(drafter, args.destination, target=target)
+        else:
+            export_angelspec(drafter, args.destination)
     elif args.to == "transformers-dflash":
         export_transformers_dflash(AutoModel.from_pretrained(args.source), args.destination)
     else:
@@ -139,22 +145,33 @@ def run_convert(args: argparse.Namespace) -> int:
             drafter = load_angelspec(args.source, block_size=args.block_size)
         elif architecture == "DFlashDraftModel":
             drafter = load_dflash(args.source)
+        elif architecture == "MTPDraftModel" or raw.get("model_type") == "mtp":
+            drafter = load_angelspec_mtp(args.source, target=target)
         else:
             raise SystemExit(f"{args.source}: unknown drafter architecture {architecture!r} (reads DFlashDraftModel, "
-                             "Qwen3DFlyModel/DFlyDraftModel, DFlare and LlamaForCausalLMEagle3).")
+                             "Qwen3DFlyModel/DFlyDraftModel, DFlare, MTPDraftModel and LlamaForCausalLMEagle3).")
         drafter.save_pretrained(args.destination)
     print(f"converted {args.source} to {args.to} format in {args.destination}")
     return 0
 
 
 def load_target(name: str, dtype: str = "float32"):
-    """``reference`` (the bundled SmolLM2-135M-Instruct) or a local directory / cached Hub id."""
+    """``reference`` (the bundled SmolLM2-135M-Instruct) or a local directory / cached Hub id, with its tokenizer."""
     if name == "reference":
         target, tokenizer = load_reference_target()
         return target.to(getattr(torch, dtype)), tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval(), AutoTokenizer.from_pretrained(name)
+    return load_target_model(name, dtype), AutoTokenizer.from_pretrained(name)
+
+
+def load_target_model(name: str, dtype: str = "float32"):
+    """The target model alone (what format conversion needs: a target saved without a tokenizer works)."""
+    if name == "reference":
+        return load_reference_target()[0].to(getattr(torch, dtype))
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()
 
 
 def run_rollouts(args: argparse.Namespace) -> int:
@@ -301,13 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
                          choices=["dflash", "transformers-dflash", "eagle3", "angelspec", "angelspec-hf"],
                          help="dflash: a DFlash-mode block drafter as z-lab DFlashDraftModel; eagle3: an MTP drafter "
                               "as LlamaForCausalLMEagle3; angelspec: a DFly/DFlare drafter as AngelSpec's "
-                              "Qwen3DFlyModel/DFlare; transformers-dflash: a DFlash-mode drafter as transformers' "
-                              "own assistant (speculation_type='dflash'); angelspec-hf: read dflash, eagle3 or angelspec")
+                              "Qwen3DFlyModel/DFlare, a deepseek-style MTP drafter as MTPDraftModel; transformers-dflash: a DFlash-mode drafter as transformers' "
+                              "own assistant (speculation_type='dflash'); angelspec-hf: read any of these")
     convert.add_argument("--block-size", type=int, default=None,
                          help="block size of an AngelSpec checkpoint whose config does not record it")
     convert.add_argument("--target", default=None,
-                         help="target (reference, a directory or Hub id): needed to read EAGLE-3 and to write "
-                              "full-vocabulary MTP drafters as EAGLE-3")
+                         help="target (reference, a directory or Hub id): needed to read EAGLE-3 and MTPDraftModel "
+                              "and to write full-vocabulary MTP drafters as EAGLE-3 or MTPDraftModel")
     convert.add_argument("source")
     convert.add_argument("destination")
     convert.set_defaults(handler=run_convert)

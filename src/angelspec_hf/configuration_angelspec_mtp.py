@@ -3,13 +3,23 @@
 from .configuration_angelspec_common import AngelSpecDrafterConfig
 from .errors import DrafterConfigError
 
+LAYER_STYLES = ("eagle3", "deepseek")
+
 
 class MTPDrafterConfig(AngelSpecDrafterConfig):
-    """One EAGLE-3 style decoder layer fed by fused target features, drafting token by token.
+    """One decoder layer fed by target features, drafting token by token.
 
     Args:
         num_draft_tokens: tokens drafted per round at inference (the TTT depth D by default).
         ttt_steps: how many draft steps training unrolls on the drafter's own predictions.
+        layer_style: ``"eagle3"`` (default): ``fc`` fuses several target layers and attention reads
+            ``[norm(embedding); norm(hidden)]``, 2H wide. ``"deepseek"``: the DeepSeek-V3 MTP layer
+            that AngelSpec's ``MTPDraftModel`` trains: it reads only the target's last (final-normed)
+            hidden state, ``eh_proj`` fuses ``[norm(embedding); norm(hidden)]`` to H, a standard
+            pre-norm decoder layer follows, then a final norm whose output is also what the next
+            draft step reads; the embedding at position 0 is zeroed.
+        qk_norm: per-head RMSNorm of queries and keys before RoPE (Qwen3 style); ``None`` turns it on
+            for the ``deepseek`` style and off for ``eagle3``.
         draft_vocab_size: (common field) a reduced draft vocabulary gets its own ``lm_head`` and
             EAGLE-3 ``d2t``/``t2d`` maps; ``None`` drafts through the target's ``lm_head``.
     """
@@ -18,10 +28,25 @@ class MTPDrafterConfig(AngelSpecDrafterConfig):
 
     num_draft_tokens: int = 3
     ttt_steps: int = 3
+    layer_style: str = "eagle3"
+    qk_norm: bool | None = None
 
     def __post_init__(self, **kwargs):
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise DrafterConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
         if not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
             raise DrafterConfigError(f"ttt_steps must be an integer >= 1, got {self.ttt_steps!r}.")
+        if self.layer_style not in LAYER_STYLES:
+            raise DrafterConfigError(f"layer_style must be one of {LAYER_STYLES}, got {self.layer_style!r}.")
+        if self.qk_norm is None:
+            self.qk_norm = self.layer_style == "deepseek"
+        if self.layer_style == "deepseek":
+            last = [self.num_target_layers - 1]
+            if self.target_layer_ids is None:
+                self.target_layer_ids = last
+            elif list(self.target_layer_ids) != last:
+                raise DrafterConfigError(
+                    f"A deepseek-style MTP layer reads only the target's last layer ({last}), got target_layer_ids="
+                    f"{self.target_layer_ids}. Fix: leave target_layer_ids unset, or use layer_style='eagle3' to fuse several layers."
+                )
         super().__post_init__(**kwargs)

@@ -1,4 +1,4 @@
-"""AngelSpec MTP drafter: one EAGLE-3 style decoder layer, drafting token by token.
+"""AngelSpec MTP drafter: one decoder layer (EAGLE-3 or DeepSeek-V3 MTP style), drafting token by token.
 
 Input at target position t: the fused target feature (or, once the draft runs ahead of the
 target, the drafter's own previous hidden state) and the embedding of token t+1; output: the
@@ -25,24 +25,36 @@ from .modeling_angelspec_common import (
 
 
 class MTPAttention(nn.Module):
-    """Attention over ``[norm(embedding); norm(hidden)]`` (2H wide), as in EAGLE-3."""
+    """Self-attention of the MTP layer: over ``[norm(embedding); norm(hidden)]`` (2H wide) in the
+    EAGLE-3 style, over the fused H-wide input in the DeepSeek style, with optional QK-norm."""
 
     def __init__(self, config: MTPDrafterConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.rope_theta = config.rope_theta
-        width = 2 * config.hidden_size
+        width = config.hidden_size * (2 if config.layer_style == "eagle3" else 1)
         self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """Rotated queries and keys, and values, as (batch, heads, seq, head_dim)."""
+        q = split_heads(self.q_proj(x), self.num_heads, self.head_dim)
+        k = split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
 
     def forward(self, x, positions, past_key_values=None, mask=None):
         """Returns the attention output and the keys/values including ``past_key_values``."""
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
-        q = apply_rotary(split_heads(self.q_proj(x), self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim), cos, sin)
-        v = split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x, positions)
         if past_key_values is not None:
             k = torch.cat([past_key_values[0], k], dim=2)
             v = torch.cat([past_key_values[1], v], dim=2)
@@ -62,7 +74,12 @@ class MTPDrafter(AngelSpecPreTrainedModel):
     def __init__(self, config: MTPDrafterConfig):
         super().__init__(config)
         size = config.hidden_size
-        self.fc = nn.Linear(len(config.target_layer_ids) * size, size, bias=False)
+        self.deepseek_style = config.layer_style == "deepseek"
+        if self.deepseek_style:
+            self.eh_proj = nn.Linear(2 * size, size, bias=False)
+            self.attention_norm = RMSNorm(size, config.rms_norm_eps)
+        else:
+            self.fc = nn.Linear(len(config.target_layer_ids) * size, size, bias=False)
         self.input_norm = RMSNorm(size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(size, config.rms_norm_eps)
         self.self_attn = MTPAttention(config)
@@ -83,8 +100,27 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         return self.config.num_draft_tokens
 
     def fuse(self, features: list[torch.Tensor]) -> torch.Tensor:
-        """Project the concatenated target layers to the drafter width."""
+        """The drafter's view of the target: the concatenated layers projected to its width
+        (EAGLE-3 style), or the target's final hidden state itself (DeepSeek style)."""
+        if self.deepseek_style:
+            return features[0]
         return self.fc(torch.cat(features, dim=-1))
+
+    def attention_input(self, hidden: torch.Tensor, input_embeds: torch.Tensor, positions: torch.Tensor):
+        """``(residual, x)``: the layer's residual stream and its attention input."""
+        if self.deepseek_style:
+            # DeepSeek/Hy3 MTP training zeroes the embedding at position 0 (the first token has no context).
+            input_embeds = input_embeds.masked_fill((positions == 0)[..., None], 0.0)
+            residual = self.eh_proj(torch.cat([self.input_norm(input_embeds), self.hidden_norm(hidden)], dim=-1))
+            return residual, self.attention_norm(residual)
+        return hidden, torch.cat([self.input_norm(input_embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output after attention: the hidden state the next draft step reads."""
+        hidden = residual + attn
+        hidden = hidden + self.mlp(self.post_attention_norm(hidden))
+        # The DeepSeek layer feeds its final-normed output forward, so the norm belongs to the step.
+        return self.norm(hidden) if self.deepseek_style else hidden
 
     def forward(self, hidden, input_embeds, positions, past_key_values=None, attention_mask=None):
         """One decoder step for a chunk of positions.
@@ -98,11 +134,9 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         Returns:
             ``(hidden_out, (keys, values))``; ``hidden_out`` feeds ``logits`` and the next step.
         """
-        x = torch.cat([self.input_norm(input_embeds), self.hidden_norm(hidden)], dim=-1)
+        residual, x = self.attention_input(hidden, input_embeds, positions)
         attn, present = self.self_attn(x, positions, past_key_values, attention_mask)
-        hidden = hidden + attn
-        hidden = hidden + self.mlp(self.post_attention_norm(hidden))
-        return hidden, present
+        return self.finish(residual, attn), present
 
     def draft_token_ids(self) -> torch.Tensor:
         """Target ids of the draft vocabulary, in draft-vocabulary order."""
@@ -110,7 +144,7 @@ class MTPDrafter(AngelSpecPreTrainedModel):
 
     def vocab_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Logits over the drafter's own vocabulary: the reduced one if it has one, else the target's."""
-        normed = self.norm(hidden)
+        normed = hidden if self.deepseek_style else self.norm(hidden)
         if self.lm_head is None:
             return target_lm_head(normed.to(target_lm_head.weight.dtype))
         return self.lm_head(normed)

@@ -78,6 +78,11 @@ def export_eagle3(drafter: MTPDrafter, out_dir: str | Path, target=None) -> Path
             f"Only MTP drafters map to the EAGLE-3 format, this is {config.model_type!r}. Fix: convert a DFlash-mode "
             "block drafter with --to dflash instead."
         )
+    if config.layer_style != "eagle3":
+        raise DrafterConfigError(
+            f"This MTP drafter has a {config.layer_style}-style layer, which EAGLE-3 cannot hold. "
+            "Fix: export it with --to angelspec (AngelSpec's MTPDraftModel)."
+        )
     if config.target_layer_ids is None or len(config.target_layer_ids) != 3:
         raise DrafterConfigError(f"EAGLE-3 fuses exactly 3 target layers; this drafter reads {config.target_layer_ids}.")
     weights = {key: value.detach() for key, value in drafter.state_dict().items()}

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..modeling_angelspec_common import apply_rotary, rotary_cos_sin, split_heads
 from .losses import (
     acceptance_probability,
     end_to_end_tv_loss,
@@ -54,10 +53,7 @@ def step_attention(attn_module, x: torch.Tensor, positions: torch.Tensor, commit
     attention output and this step's ``(keys, values)``.
     """
     heads, kv_heads, dim = attn_module.num_heads, attn_module.num_kv_heads, attn_module.head_dim
-    cos, sin = rotary_cos_sin(positions, dim, attn_module.rope_theta, x.dtype)
-    q = apply_rotary(split_heads(attn_module.q_proj(x), heads, dim), cos, sin)
-    k = apply_rotary(split_heads(attn_module.k_proj(x), kv_heads, dim), cos, sin)
-    v = split_heads(attn_module.v_proj(x), kv_heads, dim)
+    q, k, v = attn_module.project(x, positions)
     diagonal = [] if committed is None else [*chain, (k, v)]
     committed = (k, v) if committed is None else committed
     group = heads // kv_heads
@@ -123,14 +119,13 @@ def chain_loss(
     # Step k of origin t predicts token t+k+2: the target's view of it sits at position t+k+1.
     origin = torch.arange(origins, device=device)
     for step in range(depth):
-        x = torch.cat([drafter.input_norm(embed_tokens(tokens).to(dtype)), drafter.hidden_norm(hidden)], dim=-1)
+        residual, x = drafter.attention_input(hidden, embed_tokens(tokens).to(dtype), positions + step)
         attn, present = step_attention(drafter.self_attn, x, positions + step, committed, chain, allowed)
         if committed is None:
             committed = present
         else:
             chain.append(present)
-        hidden = hidden + attn
-        hidden = hidden + drafter.mlp(drafter.post_attention_norm(hidden))
+        hidden = drafter.finish(residual, attn)
         label_positions = (origin + step + 1).clamp(max=length - 1)
         draft, target = vocabulary_logits(drafter, lm_head, hidden, target_hidden[:, label_positions])
         draft_logits.append((draft, target))

@@ -30,6 +30,8 @@ RECIPES = {
     "dflare-code": ("dfly", {"conditioning": "layerwise", "hidden_correction": False}, {}),
     "mtp-chat": ("mtp", {}, {"ttt": True}),
     "mtp-chat-nottt": ("mtp", {}, {"ttt": False}),
+    # AngelSpec's MTPDraftModel layer (DeepSeek-V3 style, last hidden state only); exports with --to angelspec.
+    "mtp-chat-deepseek": ("mtp", {"layer_style": "deepseek"}, {"ttt": True}),
 }
 
 
