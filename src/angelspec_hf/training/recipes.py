@@ -56,6 +56,7 @@ class Recipe:
     eta: float = 3.0
     seed: int = 0
     logging_steps: int = 10
+    feature_cache: str | None = None  # directory for target states computed once per row (see FeatureCache)
 
 
 def training_arguments(recipe: Recipe, output_dir: Path, steps: int, learning_rate: float) -> TrainingArguments:
@@ -141,7 +142,7 @@ def train_drafter(
         trainer = DrafterTrainer(
             model=drafter, args=training_arguments(recipe, stage_dir, steps, learning_rate), train_dataset=dataset,
             data_collator=collator, target=target, objective=objective, num_anchors=recipe.num_anchors, eta=recipe.eta,
-            **trainer_options,
+            feature_cache=recipe.feature_cache, **trainer_options,
         )
         checkpoint = resume and any(stage_dir.glob("checkpoint-*"))
         trainer.train(resume_from_checkpoint=True if checkpoint else None)

@@ -2,7 +2,7 @@
 accumulation and ``accelerate launch`` multi-GPU come from the Trainer.
 
 The frozen target is held by the trainer (never a submodule of the drafter, so it is never
-saved) and run on the fly for features and soft labels.
+saved) and run on the fly for features and soft labels, or once per row with a `FeatureCache`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from transformers import Trainer
 
 from .block import block_loss, sample_anchors
+from .features import FeatureCache, run_target
 from .mtp import chain_loss
 
 logger = logging.getLogger(__name__)
@@ -48,30 +49,31 @@ class DrafterTrainer(Trainer):
     """
 
     def __init__(self, *args, target, objective: str = "lk", num_anchors: int = 16, eta: float = 3.0,
-                 ttt: bool = True, **kwargs):
+                 ttt: bool = True, feature_cache: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.target = target.eval().requires_grad_(False)
         self.objective, self.num_anchors, self.eta, self.ttt = objective, num_anchors, eta, ttt
         self.layer_ids = list(self.model.config.target_layer_ids)
+        self.feature_cache = FeatureCache(feature_cache, self.target, self.layer_ids) if feature_cache else None
         self._metric_sums: dict[str, float] = defaultdict(float)
         self._metric_count = 0
         self._anchor_generator = torch.Generator().manual_seed(self.args.seed)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         input_ids = inputs["input_ids"]
-        with torch.no_grad():
-            # The base model only: the lm_head is applied later at the label positions alone.
-            out = self.target.base_model(input_ids=input_ids, attention_mask=inputs["attention_mask"],
-                                         output_hidden_states=[i + 1 for i in self.layer_ids])
-        features = [out.hidden_states[i + 1] for i in self.layer_ids]
+        if self.feature_cache is None:
+            features, final = run_target(self.target, input_ids, inputs["attention_mask"], self.layer_ids)
+        else:
+            features, final = self.feature_cache.states(self.target, input_ids, inputs["attention_mask"],
+                                                        inputs["lengths"], self.target.dtype)
         embed, lm_head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
         if hasattr(model.config, "block_size"):
             anchors = sample_anchors(inputs["loss_start"], inputs["lengths"], model.config.block_size,
                                      self.num_anchors, self._anchor_generator)
-            result = block_loss(model, features, input_ids, out.last_hidden_state, embed, lm_head, anchors,
+            result = block_loss(model, features, input_ids, final, embed, lm_head, anchors,
                                 objective=self.objective, eta=self.eta)
         else:
-            result = chain_loss(model, features, input_ids, out.last_hidden_state, embed, lm_head,
+            result = chain_loss(model, features, input_ids, final, embed, lm_head,
                                 inputs["loss_start"], inputs["lengths"], ttt=self.ttt, objective=self.objective,
                                 eta=self.eta)
         for key, value in result.metrics().items():

@@ -1,0 +1,126 @@
+"""Target states of training rows, computed once and kept on disk.
+
+On a CPU the frozen target's forward is a third to a half of an MTP or DFly training step, and
+every row is read several times (epochs, the LK and TV stages, later runs on the same data).
+`FeatureCache` stores, per row, the drafter's input layers and the target's final (normed)
+hidden state, which is the soft label: ``lm_head`` of it is the target's exact next-token
+distribution, so no top-k truncation is needed and the file stays small (one H-vector per layer
+and token, float16). Rows are keyed by their token ids; the directory by the target (name,
+depth, embedding fingerprint, dtype) and the layer list, so another target or drafter never
+reads these states. Files are written atomically; an unreadable one is recomputed, never trusted.
+Caches are never committed (``.gitignore``), token ids are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..modeling_angelspec_common import embedding_fingerprint, target_name
+
+logger = logging.getLogger(__name__)
+
+# float16 keeps 11 significant bits (bfloat16: 8); hidden states beyond its range stay float32.
+STORE_DTYPE = torch.float16
+FLOAT16_LIMIT = 60000.0
+
+
+def target_key(target, layer_ids: list[int]) -> str:
+    """A short name for (target, dtype, layers): the cache's subdirectory."""
+    text = target.config.get_text_config()
+    identity = {
+        "target": target_name(target), "layers": text.num_hidden_layers, "dtype": str(target.dtype),
+        "fingerprint": [round(x, 4) for x in embedding_fingerprint(target.get_input_embeddings().weight)],
+        "read_layers": list(layer_ids),
+    }
+    digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    name = (identity["target"] or type(target).__name__).replace("/", "--")
+    return f"{name}-{digest}"
+
+
+def row_key(token_ids: torch.Tensor) -> str:
+    return hashlib.sha1(token_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
+
+
+class FeatureCache:
+    """Per-row target states (``features``: the drafter's input layers, ``final``: the normed last
+    hidden state) under ``directory/<target key>/``."""
+
+    def __init__(self, directory: str | os.PathLike, target, layer_ids: list[int]):
+        self.layer_ids = list(layer_ids)
+        self.directory = Path(directory) / target_key(target, self.layer_ids)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.hits = self.misses = 0
+
+    def _path(self, token_ids: torch.Tensor) -> Path:
+        key = row_key(token_ids)
+        return self.directory / key[:2] / f"{key}.safetensors"
+
+    def load(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(features (layers, n, H), final (n, H))`` of one row's real tokens, or None."""
+        path = self._path(token_ids)
+        if not path.exists():
+            return None
+        try:
+            stored = load_file(path)
+            features, final = stored["features"], stored["final"]
+        except (SafetensorError, KeyError, OSError) as exc:
+            logger.warning("Unreadable cached target states %s (%s); recomputing them.", path, exc)
+            return None
+        if features.shape[1] != token_ids.numel() or features.shape[0] != len(self.layer_ids):
+            logger.warning("Cached target states %s have the wrong shape %s; recomputing them.", path, tuple(features.shape))
+            return None
+        return features, final
+
+    def store(self, token_ids: torch.Tensor, features: torch.Tensor, final: torch.Tensor) -> None:
+        path = self._path(token_ids)
+        path.parent.mkdir(exist_ok=True)
+        tensors = {"features": features, "final": final}
+        fits = all(t.abs().max().item() < FLOAT16_LIMIT for t in tensors.values())
+        tensors = {k: (v.to(STORE_DTYPE) if fits else v.float()).contiguous().cpu() for k, v in tensors.items()}
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        save_file(tensors, partial)
+        os.replace(partial, path)  # atomic: concurrent writers (several GPUs) never leave half a file
+
+    def states(self, target, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: torch.Tensor,
+               dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Features and final hidden state of a right-padded batch, from disk where cached.
+
+        Positions past a row's length are zero (they are masked out of every loss). The target
+        runs on the whole batch when any row is missing, and the missing rows are stored.
+        """
+        rows = [input_ids[i, : int(lengths[i])] for i in range(input_ids.shape[0])]
+        cached = [self.load(row) for row in rows]
+        self.hits += sum(c is not None for c in cached)
+        self.misses += sum(c is None for c in cached)
+        if any(c is None for c in cached):
+            features, final = run_target(target, input_ids, attention_mask, self.layer_ids)
+            for i, row in enumerate(rows):
+                if cached[i] is None:
+                    self.store(row, torch.stack([f[i, : row.numel()] for f in features]), final[i, : row.numel()])
+            return [f.to(dtype) for f in features], final
+        batch, width = input_ids.shape
+        stacked = torch.zeros(len(self.layer_ids), batch, width, cached[0][1].shape[-1], dtype=dtype)
+        final = torch.zeros(batch, width, cached[0][1].shape[-1], dtype=dtype)
+        for i, (row_features, row_final) in enumerate(cached):
+            stacked[:, i, : row_final.shape[0]] = row_features.to(dtype)
+            final[i, : row_final.shape[0]] = row_final.to(dtype)
+        device = input_ids.device
+        return [layer.to(device) for layer in stacked.unbind(0)], final.to(device)
+
+
+def run_target(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               layer_ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The drafter's input layers and the final normed hidden state, from one target forward."""
+    with torch.no_grad():
+        # The base model only: the lm_head is applied later at the label positions alone.
+        out = target.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                output_hidden_states=[i + 1 for i in layer_ids])
+    return [out.hidden_states[i + 1] for i in layer_ids], out.last_hidden_state

@@ -1,0 +1,77 @@
+"""Target states cached per training row: exact enough, keyed by target and layers, self-healing."""
+
+import logging
+
+import torch
+
+from angelspec_hf import MTPDrafter
+from angelspec_hf.training.features import FeatureCache, run_target
+from angelspec_hf.training.recipes import Recipe, train_drafter
+from conftest import PROMPT_LENGTH
+
+
+def padded_batch(sequences, lengths):
+    ids = sequences[: len(lengths)].clone()
+    mask = torch.zeros_like(ids)
+    for i, length in enumerate(lengths):
+        ids[i, length:] = 0
+        mask[i, :length] = 1
+    return ids, mask, torch.tensor(lengths)
+
+
+def test_cached_states_equal_fresh_ones(targets, tmp_path):
+    target = targets.target("llama")
+    layers = [0, 2]
+    ids, mask, lengths = padded_batch(targets.sequences("llama"), [30, 46, 21])
+    cache = FeatureCache(tmp_path, target, layers)
+    fresh_features, fresh_final = run_target(target, ids, mask, layers)
+    first = cache.states(target, ids, mask, lengths, torch.float32)
+    assert (cache.hits, cache.misses) == (0, 3)
+    calls = []
+    hook = target.register_forward_hook(lambda *_: calls.append(1))
+    base_hook = target.base_model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        features, final = cache.states(target, ids, mask, lengths, torch.float32)
+    finally:
+        hook.remove()
+        base_hook.remove()
+    assert not calls and (cache.hits, cache.misses) == (3, 3)
+    for i, length in enumerate(lengths.tolist()):
+        for cached, fresh in zip([*features, final], [*fresh_features, fresh_final]):
+            torch.testing.assert_close(cached[i, :length], fresh[i, :length], atol=2e-3, rtol=2e-3)
+            assert not cached[i, length:].any()
+    assert torch.equal(first[1], fresh_final)  # a miss returns the target's own states
+    # Another layer list or another target never reads these files.
+    assert FeatureCache(tmp_path, target, [1, 2]).directory != cache.directory
+    assert FeatureCache(tmp_path, targets.target("qwen3"), layers).directory != cache.directory
+
+
+def test_unreadable_files_are_recomputed(targets, tmp_path, caplog):
+    target = targets.target("llama")
+    ids, mask, lengths = padded_batch(targets.sequences("llama"), [25])
+    cache = FeatureCache(tmp_path, target, [1])
+    cache.states(target, ids, mask, lengths, torch.float32)
+    (path,) = list(cache.directory.rglob("*.safetensors"))
+    path.write_bytes(b"truncated")
+    with caplog.at_level(logging.WARNING, logger="angelspec_hf.training.features"):
+        features, _ = cache.states(target, ids, mask, lengths, torch.float32)
+    assert "Unreadable cached target states" in caplog.text and cache.misses == 2
+    assert cache.load(ids[0, :25]) is not None  # rewritten
+    torch.testing.assert_close(features[0], run_target(target, ids, mask, [1])[0][0])
+
+
+def test_training_with_a_cache_runs_the_target_once_per_row(targets, tmp_path):
+    target = targets.target("llama")
+    rows = [{"input_ids": row.tolist(), "loss_start": PROMPT_LENGTH} for row in targets.sequences("llama")[:6]]
+    forwards = []
+    hook = target.base_model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        for run in ("first", "second"):
+            recipe = Recipe(name="mtp-chat", num_draft_tokens=2, lk_steps=6, tv_steps=3, batch_size=3,
+                            logging_steps=3, feature_cache=str(tmp_path / "cache"))
+            drafter = train_drafter(target, rows, tmp_path / run, recipe, pad_token_id=0)
+            if run == "first":
+                assert len(forwards) == 2  # 6 rows in batches of 3: every later step reads the cache
+    finally:
+        hook.remove()
+    assert len(forwards) == 2 and isinstance(drafter, MTPDrafter)
