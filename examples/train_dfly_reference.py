@@ -18,7 +18,8 @@ import torch
 
 import angelspec_hf  # noqa: F401
 from angelspec_hf.reference import load_reference_target
-from angelspec_hf.training.data import framed_code_sequences, rollout_sequences
+from angelspec_hf.training.corpus import framed_code_sequences
+from angelspec_hf.training.data import rollout_sequences
 from angelspec_hf.training.recipes import Recipe, train_drafter
 
 torch.set_num_threads(1)

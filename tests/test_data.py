@@ -63,7 +63,8 @@ def test_magpie_prompts_come_from_the_empty_user_header(targets):
 
 
 def test_framed_code_chunks_always_leave_room_for_training(tmp_path):
-    from angelspec_hf.training.data import MIN_TRAINED_TOKENS, framed_code_sequences
+    from angelspec_hf.training.corpus import framed_code_sequences
+    from angelspec_hf.training.data import MIN_TRAINED_TOKENS
 
     (tmp_path / "empty.py").write_text("")
     (tmp_path / "tiny.py").write_text("w7 w8 w9\n")

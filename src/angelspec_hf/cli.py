@@ -198,11 +198,12 @@ def run_rollouts(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .training.data import framed_code_sequences, rollout_sequences
+    from .training.corpus import framed_code_sequences
+    from .training.data import rollout_sequences
     from .training.recipes import RECIPES, Recipe, train_drafter
 
     target, tokenizer = load_target(args.target)
-    rollouts = rollout_sequences(sorted(Path(args.data).glob("*.jsonl")), seq_len=args.rollout_length) if args.data else []
+    rollouts = rollout_sequences(jsonl_files(args.data), seq_len=args.rollout_length) if args.data else []
     corpus_tokens = args.corpus_tokens
     if corpus_tokens is None:
         # Framed standard-library code suits the code/math block drafters, not the chat MTP drafter.
@@ -224,8 +225,50 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def jsonl_files(paths: list[str]) -> list[Path]:
+    """The JSONL files named, and those inside the directories named, in a stable order."""
+    files = []
+    for name in paths:
+        path = Path(name)
+        if not path.exists():
+            raise SystemExit(f"{name}: no such file or directory")
+        files += sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    return files
+
+
+def run_corpus(args: argparse.Namespace) -> int:
+    from .training.corpus import corpus_rows, fill_feature_cache, write_rows
+    from .training.data import rollout_sequences
+
+    target, tokenizer = load_target(args.target)
+    extra_prompts = []
+    if args.chat_prompts:
+        extra_prompts = [json.loads(line)["prompt"] for f in jsonl_files(args.chat_prompts)
+                         for line in f.read_text().splitlines() if line.strip()]
+    written = []
+    for source in args.source:
+        rows = corpus_rows(tokenizer, source, args.tokens, seq_len=args.seq_len, seed=args.seed, root=args.root,
+                           extra_prompts=extra_prompts)
+        name = source if source in ("code", "math", "chat") else Path(source).stem
+        out = write_rows(rows, Path(args.output_dir) / f"{name}-corpus.jsonl")
+        tokens = sum(len(r["response_ids"]) for r in rows)
+        print(f"{source}: {len(rows)} rows, {tokens} trained tokens -> {out}")
+        written.append(out)
+    if args.feature_cache:
+        from .training.features import FeatureCache
+        from .training.recipes import Recipe, new_drafter
+
+        layers = new_drafter(target, Recipe(name=args.recipe)).config.target_layer_ids
+        cache = FeatureCache(args.feature_cache, target, layers)
+        speed = fill_feature_cache(target, cache, rollout_sequences(written, seq_len=args.rollout_length), args.batch_size)
+        print(f"target states of {speed['tokens']} tokens for recipe {args.recipe} in {speed['seconds']:.0f} s "
+              f"({speed['tokens_per_s']:.0f} tokens/s) -> {cache.directory}")
+    return 0
+
+
 def run_draft_vocab(args: argparse.Namespace) -> int:
-    from .training.data import framed_code_sequences, rollout_sequences
+    from .training.corpus import framed_code_sequences
+    from .training.data import rollout_sequences
     from .training.recipes import frequent_token_ids, token_counts
 
     target, tokenizer = load_target(args.target)
@@ -233,7 +276,7 @@ def run_draft_vocab(args: argparse.Namespace) -> int:
     if drafter.config.model_type != "angelspec_dfly":
         raise SystemExit(f"{args.drafter}: only DFly-family drafters take a draft vocabulary after training; "
                          "an MTP drafter learns its reduced head, so pass --draft-vocab-size to `train`.")
-    files = [f for directory in args.data for f in sorted(Path(directory).glob("*.jsonl"))]
+    files = jsonl_files(args.data)
     rows = rollout_sequences(files, seq_len=args.rollout_length) if files else []
     if args.corpus_tokens:
         rows += framed_code_sequences(tokenizer, seq_len=320, max_tokens=args.corpus_tokens)
@@ -349,11 +392,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .training.recipes import RECIPES, Recipe
 
+    corpus = commands.add_parser("corpus", help="distillation rows from existing text (code, math, chat, files)")
+    corpus.add_argument("--target", default="reference")
+    corpus.add_argument("--source", nargs="+", default=["code", "math", "chat"],
+                        help="code (standard-library source), math (generated worked problems), chat (package "
+                             "documentation prose and the chat training prompts), or text files / directories")
+    corpus.add_argument("--tokens", type=int, default=200_000, help="trained tokens per source")
+    corpus.add_argument("--seq-len", type=int, default=320)
+    corpus.add_argument("--root", default=None, help="source tree for --source code (default: the standard library)")
+    corpus.add_argument("--chat-prompts", nargs="*", default=[],
+                        help="JSONL prompt files also read as user turns (e.g. the synthesised Magpie prompts)")
+    corpus.add_argument("--output-dir", default="data/corpus/SmolLM2-135M-Instruct")
+    corpus.add_argument("--seed", type=int, default=0)
+    corpus.add_argument("--feature-cache", default=None,
+                        help="also run the target over the rows now and keep its states there for `train --feature-cache`")
+    corpus.add_argument("--recipe", choices=sorted(RECIPES), default="dfly-code",
+                        help="the recipe whose drafter layers the feature cache keeps")
+    corpus.add_argument("--rollout-length", type=int, default=448, help="as `train --rollout-length`")
+    corpus.add_argument("--batch-size", type=int, default=8)
+    corpus.set_defaults(handler=run_corpus)
+
     defaults = Recipe()
     train = commands.add_parser("train", help="train a drafter (DFly, DFlash, DFlare or MTP) for a target")
     train.add_argument("--recipe", choices=sorted(RECIPES), default="dfly-code")
     train.add_argument("--target", default="reference")
-    train.add_argument("--data", help="directory of rollout JSONL files (see `rollouts`)")
+    train.add_argument("--data", nargs="+", help="rollout and corpus JSONL files, or directories of them (see `rollouts`, `corpus`)")
     train.add_argument("--corpus-tokens", type=int, default=None,
                        help="tokens of framed standard-library code (default: 400k for block recipes, 0 for MTP)")
     train.add_argument("--draft-tokens", type=int, default=defaults.num_draft_tokens, help="MTP draft/TTT depth")

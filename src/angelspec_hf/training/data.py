@@ -1,4 +1,4 @@
-"""Training data for drafters: target rollouts on prompts, and framed offline text.
+"""Training data for drafters: target rollouts on prompts (offline text: `corpus`).
 
 Drafters learn the target, not a corpus: rollouts are the target's own greedy responses (chat
 template applied), and offline text (Python source for code) is framed as an assistant reply so
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import sysconfig
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import torch
 from datasets import Dataset
 from tqdm.auto import tqdm
 
-from ..prompts import load_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +79,17 @@ def rollout_sequences(files: list[Path], seq_len: int) -> list[dict]:
                 continue
             record = json.loads(line)
             if "response_ids" not in record:
-                raise ValueError(f"{path} holds rows without response_ids: it is not a rollout file.")
-            ids = (record["prompt_ids"] + record["response_ids"])[:seq_len]
-            if len(ids) - len(record["prompt_ids"]) >= MIN_TRAINED_TOKENS:
-                rows.append({"input_ids": ids, "loss_start": len(record["prompt_ids"]), "domain": record.get("domain", "")})
+                raise ValueError(f"{path} holds rows without response_ids: it is not a rollout or corpus file.")
+            row = record_row(record, seq_len)
+            if len(row["input_ids"]) - row["loss_start"] >= MIN_TRAINED_TOKENS:
+                rows.append(row)
     return rows
+
+
+def record_row(record: dict, seq_len: int) -> dict:
+    """A stored rollout/corpus record as a training row: prompt + response, loss from the response start."""
+    return {"input_ids": (record["prompt_ids"] + record["response_ids"])[:seq_len], "loss_start": len(record["prompt_ids"]),
+            "domain": record.get("domain", "")}
 
 
 # --------------------------------------------------------------------------- synthetic chat prompts
@@ -145,38 +149,6 @@ def python_source_files(root: str | None = None, max_bytes: int = 200_000) -> li
 
 
 MIN_TRAINED_TOKENS = 32
-
-
-def framed_code_sequences(tokenizer, seq_len: int, max_tokens: int, seed: int = 0, root: str | None = None) -> list[dict]:
-    """Chunks of standard-library source framed as the assistant's reply to a training code prompt.
-
-    Every chunk carries at least ``MIN_TRAINED_TOKENS`` code tokens (empty ``__init__.py`` files
-    and file tails would leave no room for a draft block).
-    """
-    rng = random.Random(seed)
-    prompts = load_prompts("humaneval", "train") + load_prompts("mbpp", "train")
-    files = python_source_files(root)
-    rng.shuffle(files)
-    fence = tokenizer.encode("```python\n", add_special_tokens=False)
-    rows, total = [], 0
-    for path in files:
-        if total >= max_tokens:
-            break
-        text = path.read_text(errors="ignore")
-        code = tokenizer.encode(text, add_special_tokens=False)
-        prefix = chat_prefix_ids(tokenizer, rng.choice(prompts)) + fence
-        body = seq_len - len(prefix)
-        if body < MIN_TRAINED_TOKENS:
-            continue
-        for start in range(0, len(code), body):
-            chunk = code[start : start + body]
-            if len(chunk) < MIN_TRAINED_TOKENS:
-                break
-            rows.append({"input_ids": prefix + chunk, "loss_start": len(prefix), "domain": "code"})
-            total += len(chunk)
-            if total >= max_tokens:
-                break
-    return rows
 
 
 def sequences_dataset(rows: list[dict]) -> Dataset:
