@@ -1,13 +1,18 @@
-"""The run that trained the shipped MTP drafter for the reference target (2 CPU cores).
+"""The runs that trained the shipped MTP drafter for the reference target (2 CPU cores).
 
-    python examples/train_mtp_reference.py mtp-chat modeling-runs/mtp 600 150
+    python examples/train_mtp_reference.py mtp-chat modeling-runs/mtp 500 120
+    python examples/train_mtp_reference.py mtp-chat modeling-runs/mtp2 500 120 --from modeling-runs/mtp/final \\
+        --corpus data/corpus/SmolLM2-135M-Instruct --lr 4e-4 --cache feature-cache
 
 Both stages read every rollout in the repository: the chat rollouts (Magpie-style and MT-Bench
 training prompts) three times, the code and math rollouts once, so that the drafter sees the
 target's chat style most but still learns its general next-token behaviour from 5x more tokens
 than the chat rollouts alone hold. Draft vocabulary: the 8192 most frequent response tokens
 (one lm_head row in six, which is what makes drafting cheap on a CPU); TTT depth 3.
-`mtp-chat-nottt` with the same arguments gives the teacher-forcing ablation.
+`mtp-chat-nottt` with the same arguments gives the teacher-forcing ablation, `mtp-chat-deepseek`
+AngelSpec's MTPDraftModel layer. Options: `--from DIR` continues a trained drafter, `--corpus DIR`
+adds `angelspec-hf corpus` rows to the LK stage (the TV stage stays on rollouts), `--lr` sets the
+LK learning rate (TV: a third of it), `--cache DIR` keeps the target's states per row on disk.
 One torch thread, so that a second run or a benchmark can use the other core.
 """
 
@@ -16,21 +21,30 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModel
 
 import angelspec_hf  # noqa: F401
 from angelspec_hf.reference import load_reference_target
 from angelspec_hf.training.data import rollout_sequences
 from angelspec_hf.training.recipes import Recipe, train_drafter
 
+
+def option(flag: str, default=None):
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
+
+
 torch.set_num_threads(1)
 name, out, lk_steps, tv_steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-resume = "--resume" in sys.argv
 target, tokenizer = load_reference_target()
 start = time.time()
 chat = rollout_sequences(sorted(Path("data/rollouts/SmolLM2-135M-Instruct-chat").glob("*.jsonl")), seq_len=448)
 other = rollout_sequences(sorted(Path("data/rollouts/SmolLM2-135M-Instruct").glob("*.jsonl")), seq_len=448)
-print("data:", len(chat), "chat rollouts,", len(other), "code/math rollouts", flush=True)
+corpus = rollout_sequences(sorted(Path(option("--corpus")).glob("*.jsonl")), seq_len=448) if option("--corpus") else []
+print("data:", len(chat), "chat rollouts,", len(other), "code/math rollouts,", len(corpus), "corpus rows", flush=True)
 recipe = Recipe(name=name, num_draft_tokens=3, draft_vocab_size=8192, lk_steps=lk_steps, tv_steps=tv_steps,
-                batch_size=4, logging_steps=10)
-train_drafter(target, chat * 3 + other, out, recipe, pad_token_id=tokenizer.eos_token_id, resume=resume)
+                batch_size=4, logging_steps=10, learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"))
+drafter = AutoModel.from_pretrained(option("--from")).float().train() if option("--from") else None
+rollouts = chat * 3 + other
+train_drafter(target, rollouts + corpus, out, recipe, pad_token_id=tokenizer.eos_token_id, finish_rows=rollouts,
+              resume="--resume" in sys.argv, drafter=drafter)
 print(f"done in {time.time() - start:.0f} s", flush=True)
