@@ -25,6 +25,8 @@ def setup():
     drafters = {
         "dfly": fit_dfly(DFlyDrafter.from_target(target, block_size=5), target, sequences, PROMPT, steps=200),
         "mtp": fit_mtp(MTPDrafter.from_target(target, num_draft_tokens=3), target, sequences, PROMPT, steps=200),
+        "mtp-deepseek": fit_mtp(MTPDrafter.from_target(target, num_draft_tokens=3, layer_style="deepseek"), target,
+                                sequences, PROMPT, steps=200),
     }
     generator = torch.Generator().manual_seed(4)
     prompts = [sequences[i, :PROMPT].tolist() for i in range(5)]
@@ -36,7 +38,7 @@ def plain(target, prompt, **kwargs):
     return target.generate(torch.tensor([prompt]), do_sample=False, **kwargs)[0].tolist()
 
 
-@pytest.mark.parametrize("name", [None, "dfly", "mtp"])
+@pytest.mark.parametrize("name", [None, "dfly", "mtp", "mtp-deepseek"])
 @pytest.mark.parametrize("max_batch_size", [1, 3, 16])
 def test_every_row_equals_its_plain_generate(setup, name, max_batch_size):
     target, drafters, prompts = setup
