@@ -46,6 +46,9 @@ def test_every_row_equals_its_plain_generate(setup, name, max_batch_size):
     outputs = engine.generate(prompts, max_new_tokens=25)
     for prompt, output in zip(prompts, outputs):
         assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
+    # Dead columns (rows that left, drafts everyone rejected) are dropped: the cache never holds
+    # more than the longest live row's tokens, whatever the number of steps and joins.
+    assert engine.peak_cache_length <= max(map(len, prompts)) + 25 + (2 if max_batch_size == 1 else 25)
     if name is not None:
         accepted = [a for entry in engine.stats for a in entry["accepted"]]
         assert max(accepted) >= 3 and sum(accepted) > len(accepted) // 2, "drafts must really be accepted"

@@ -136,6 +136,7 @@ class SpeculativeEngine:
                 domain = domains[index] if domains is not None else None
                 waiting.append(_Row(index, list(map(int, prompt)), len(prompt), max_new_tokens, domain))
         self.stats = []
+        self.peak_cache_length = 0
         rows: list[_Row] = []
         cache, valid = None, None
         while waiting or rows:
@@ -160,6 +161,9 @@ class SpeculativeEngine:
                     valid = valid[keep]
                 else:
                     cache, valid = None, None
+            if rows:
+                cache, valid = self._trim(cache, valid)
+                self.peak_cache_length = max(self.peak_cache_length, valid.shape[1])
         return results
 
     # -- internals --------------------------------------------------------------------------
@@ -272,6 +276,23 @@ class SpeculativeEngine:
             layer.values = torch.cat([_pad_left(layer.values, length, 2), _pad_left(new_layer.values, length, 2)])
         merged = torch.cat([_pad_left(valid, length, 1, False), _pad_left(new_valid, length, 1, False)])
         return cache, merged
+
+    @staticmethod
+    def _trim(cache, valid):
+        """Drop cache columns no row attends to: before the oldest remaining row's first token (rows
+        that left) and after the last accepted slot of the latest window (drafts every row rejected).
+
+        Slicing is a view and the next forward's concatenation copies only what is kept, so this
+        costs nothing, while without it the cache grows by the whole window every step and every
+        later forward attends over the dead columns.
+        """
+        used = valid.any(0).nonzero()
+        first, last = int(used[0]), int(used[-1]) + 1
+        if first == 0 and last == valid.shape[1]:
+            return cache, valid
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, first:last], layer.values[:, :, first:last]
+        return cache, valid[:, first:last]
 
     def _new_generator(self, row: _Row, drafter):
         config = GenerationConfig(max_length=row.prompt_length + row.max_new_tokens, do_sample=self.do_sample)
