@@ -42,11 +42,13 @@ def test_rollouts_are_resumable_without_duplicates(targets, tmp_path):
         assert row["response_ids"] == expected
     batched = tmp_path / "batched.jsonl"
     generate_rollouts(target, tokenizer, prompts, batched, max_new_tokens=12, batch_size=3)
-    # Left padding changes nothing but padding: same prompts, same prompt ids, bounded responses.
+    # Batching changes nothing: same prompts, same prompt ids, bounded responses.
     batched_rows = {json.loads(line)["prompt"]: json.loads(line) for line in batched.read_text().splitlines()}
     assert set(batched_rows) == set(prompts)
     assert all(batched_rows[row["prompt"]]["prompt_ids"] == row["prompt_ids"] for row in rows)
     assert all(0 < len(row["response_ids"]) <= 12 for row in batched_rows.values())
+    # Continuous batching decodes the same tokens as one prompt at a time.
+    assert all(batched_rows[row["prompt"]]["response_ids"] == row["response_ids"] for row in rows)
     sequences = rollout_sequences([out], seq_len=64)
     assert all(seq["loss_start"] == len(chat_prefix_ids(tokenizer, row["prompt"])) for seq, row in zip(sequences, rows))
 

@@ -187,13 +187,15 @@ def run_rollouts(args: argparse.Namespace) -> int:
         prompts = synthesize_chat_prompts(target, tokenizer, args.magpie, batch_size=args.batch_size)
         synthetic.parent.mkdir(parents=True, exist_ok=True)
         synthetic.write_text("".join(json.dumps({"prompt": p, "domain": "chat"}) + "\n" for p in prompts))
-        generate_rollouts(target, tokenizer, prompts, Path(args.output_dir) / "magpie-train.jsonl",
-                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, domain="chat")
+        speed = generate_rollouts(target, tokenizer, prompts, Path(args.output_dir) / "magpie-train.jsonl",
+                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, domain="chat")
+        print(f"magpie: {speed['new_tokens']} new tokens at {speed['tokens_per_s']:.1f} tokens/s")
     for name in args.prompts:
         domain = PROMPT_SETS.get(name, Path(name).stem)
         out = Path(args.output_dir) / f"{Path(name).stem}-train.jsonl"
-        generate_rollouts(target, tokenizer, load_prompts(name, "train"), out, max_new_tokens=args.max_new_tokens,
-                          batch_size=args.batch_size, domain=domain)
+        speed = generate_rollouts(target, tokenizer, load_prompts(name, "train"), out, max_new_tokens=args.max_new_tokens,
+                                  batch_size=args.batch_size, domain=domain)
+        print(f"{name}: {speed['new_tokens']} new tokens at {speed['tokens_per_s']:.1f} tokens/s")
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -33,35 +34,44 @@ def chat_prefix_ids(tokenizer, prompt: str) -> list[int]:
 
 def generate_rollouts(
     target, tokenizer, prompts: list[str], out_file: Path, max_new_tokens: int = 192, batch_size: int = 16,
-    domain: str = "",
-) -> Path:
+    domain: str = "", chunk_size: int | None = None,
+) -> dict[str, float]:
     """Greedy target responses, appended to a JSONL file of token ids; resumable.
 
     Rows already in ``out_file`` (matched by prompt) are skipped, so an interrupted run continues
-    where it stopped without duplicates. Prompts are bucketed by length to limit padding.
+    where it stopped without duplicates. Decoding runs through `SpeculativeEngine` without a
+    drafter: continuous batching, so a finished row leaves the batch at once and the next prompt
+    takes its place (padded ``generate`` keeps decoding every row until the longest one ends).
+    Prompts are sorted by length; rows are written every ``chunk_size`` prompts (default 4
+    batches). Returns new tokens, seconds and tokens per second.
     """
+    from ..generation.engine import EngineRequestError, SpeculativeEngine
+
     out_file.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if out_file.exists():
         done = {json.loads(line)["prompt"] for line in out_file.read_text().splitlines() if line.strip()}
     todo = sorted((p for p in dict.fromkeys(prompts) if p not in done), key=lambda p: len(chat_prefix_ids(tokenizer, p)))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine = SpeculativeEngine(target, None, max_batch_size=batch_size)
+    chunk_size = chunk_size or 4 * batch_size
+    new_tokens, start = 0, time.perf_counter()
     with open(out_file, "a") as sink, tqdm(total=len(todo), desc=f"rollouts {out_file.name}", unit="prompt") as bar:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
+        for first in range(0, len(todo), chunk_size):
+            batch = todo[first : first + chunk_size]
             prefixes = [chat_prefix_ids(tokenizer, p) for p in batch]
-            width = max(map(len, prefixes))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prefixes])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
-            with torch.no_grad():
-                out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      do_sample=False, pad_token_id=pad)
-            for prompt, prefix, row in zip(batch, prefixes, out[:, width:].tolist()):
-                response = _strip_after_eos(row, tokenizer.eos_token_id)
+            outputs = engine.generate(prefixes, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+            for prompt, prefix, output in zip(batch, prefixes, outputs):
+                if isinstance(output, EngineRequestError):
+                    logger.warning("Skipping a prompt the target cannot continue: %s", output)
+                    continue
+                response = _strip_after_eos(output[len(prefix):], tokenizer.eos_token_id)
+                new_tokens += len(response)
                 sink.write(json.dumps({"prompt": prompt, "domain": domain, "prompt_ids": prefix, "response_ids": response}) + "\n")
             sink.flush()
             bar.update(len(batch))
-    return out_file
+            bar.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
+    seconds = time.perf_counter() - start
+    return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0}
 
 
 def _strip_after_eos(row: list[int], eos: int | None) -> list[int]:
