@@ -26,9 +26,9 @@ import torch
 
 from ..configuration_angelspec_mtp import MTPDrafterConfig
 from ..errors import DrafterCheckpointError, DrafterConfigError, DrafterTargetMismatchError
-from ..modeling_angelspec_common import embedding_fingerprint, target_config_fields
+from ..modeling_angelspec_common import embedding_fingerprint
 from ..modeling_angelspec_mtp import MTPDrafter
-from .checkpoint import layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
+from .checkpoint import one_layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
 
 EMBEDDING = "embed_tokens.weight"
 # Our weight name -> MTPDraftModel name.
@@ -127,21 +127,11 @@ def mtp_drafter_config(raw: dict, target=None, num_target_layers: int | None = N
                        embedding: torch.Tensor | None = None) -> MTPDrafterConfig:
     """Our config for an MTPDraftModel config dict; the target (or its depth) fills what the format lacks."""
     _check_supported(raw)
-    ours = raw.get("angelspec_target") or {}
-    fields = target_config_fields(target) if target is not None else {}
-    layers = num_target_layers or fields.get("num_target_layers") or ours.get("num_layers")
-    if layers is None:
-        raise DrafterConfigError(
-            "An MTPDraftModel config does not say how deep its target is. Fix: pass target=... (angelspec-hf convert "
-            "--target ...) or num_target_layers=..."
-        )
-    shape = layer_fields({**raw, "num_hidden_layers": 1})
-    if target is not None:  # the target's own binding wins over what the file recorded
-        del shape["target_name_or_path"], shape["target_embedding_fingerprint"]
-    elif shape["target_embedding_fingerprint"] is None and embedding is not None:
-        shape["target_embedding_fingerprint"] = embedding_fingerprint(embedding)
-    fields.update(shape, num_target_layers=int(layers), target_layer_ids=None, layer_style="deepseek",
-                  qk_norm=bool(raw.get("qk_norm", True)), draft_vocab_size=None, **(raw.get("angelspec_draft") or {}))
+    fields = one_layer_fields(raw, "MTPDraftModel", target, num_target_layers)
+    if fields["target_embedding_fingerprint"] is None and embedding is not None:
+        fields["target_embedding_fingerprint"] = embedding_fingerprint(embedding)
+    fields.update(target_layer_ids=None, layer_style="deepseek", qk_norm=bool(raw.get("qk_norm", True)),
+                  draft_vocab_size=None, **(raw.get("angelspec_draft") or {}))
     return MTPDrafterConfig(**fields)
 
 

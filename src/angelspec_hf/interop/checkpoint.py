@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import DrafterCheckpointError
+from ..errors import DrafterCheckpointError, DrafterConfigError
+from ..modeling_angelspec_common import target_config_fields
 
 
 def write_checkpoint(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
@@ -61,3 +62,20 @@ def layer_fields(raw: dict) -> dict:
         "rope_theta": float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         "target_name_or_path": target.get("name_or_path"), "target_embedding_fingerprint": target.get("embedding_fingerprint"),
     }
+
+
+def one_layer_fields(raw: dict, format_name: str, target=None, num_target_layers: int | None = None) -> dict:
+    """Our config fields for a one-layer drafter whose format does not record the target's depth:
+    the target's own fields when it is given (its binding wins over what the file recorded), the
+    layer shape, and the depth from ``num_target_layers``, the target, or our exports' record."""
+    fields = target_config_fields(target) if target is not None else {}
+    layers = num_target_layers or fields.get("num_target_layers") or (raw.get("angelspec_target") or {}).get("num_layers")
+    if layers is None:
+        raise DrafterConfigError(
+            f"An {format_name} config does not say how deep its target is. Fix: pass target=... (angelspec-hf convert "
+            "--target ...) or num_target_layers=..."
+        )
+    shape = layer_fields({**raw, "num_hidden_layers": 1})
+    if target is not None:
+        del shape["target_name_or_path"], shape["target_embedding_fingerprint"]
+    return {**fields, **shape, "num_target_layers": int(layers)}

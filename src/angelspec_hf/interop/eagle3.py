@@ -17,9 +17,8 @@ import torch
 
 from ..configuration_angelspec_mtp import MTPDrafterConfig
 from ..errors import DrafterCheckpointError, DrafterConfigError
-from ..modeling_angelspec_common import target_config_fields
 from ..modeling_angelspec_mtp import MTPDrafter
-from .checkpoint import layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
+from .checkpoint import one_layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
 
 # Our weight name -> EAGLE-3 name.
 NAMES = {
@@ -101,13 +100,7 @@ def export_eagle3(drafter: MTPDrafter, out_dir: str | Path, target=None) -> Path
 
 def eagle3_drafter_config(raw: dict, target=None, num_target_layers: int | None = None) -> MTPDrafterConfig:
     """Our config for an EAGLE-3 config dict; the target (or its layer count) fills what the format lacks."""
-    ours = raw.get("angelspec_target") or {}
-    fields = target_config_fields(target) if target is not None else {}
-    layers = num_target_layers or fields.get("num_target_layers") or ours.get("num_layers")
-    if layers is None:
-        raise DrafterConfigError(
-            "An EAGLE-3 config does not say how deep its target is. Fix: pass target=... (or num_target_layers=...)."
-        )
+    fields = one_layer_fields(raw, "EAGLE-3", target, num_target_layers)
     aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     draft_vocab_size = raw.get("draft_vocab_size") or raw["vocab_size"]
     if raw.get("target_hidden_size", raw["hidden_size"]) != raw["hidden_size"]:
@@ -117,11 +110,8 @@ def eagle3_drafter_config(raw: dict, target=None, num_target_layers: int | None 
         )
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise DrafterCheckpointError(f"EAGLE-3 drafters have one decoder layer, this config has {raw['num_hidden_layers']}.")
-    shape = layer_fields({**raw, "num_hidden_layers": 1})
-    if target is not None:  # the target's own binding wins over what the file recorded
-        del shape["target_name_or_path"], shape["target_embedding_fingerprint"]
     fields.update(
-        shape, num_target_layers=int(layers), target_layer_ids=list(aux) if aux else None,
+        target_layer_ids=list(aux) if aux else None,
         draft_vocab_size=draft_vocab_size if draft_vocab_size < raw["vocab_size"] else None,
         **(raw.get("angelspec_draft") or {}),
     )
