@@ -239,19 +239,17 @@ def jsonl_files(paths: list[str]) -> list[Path]:
 
 
 def run_corpus(args: argparse.Namespace) -> int:
-    from .training.corpus import corpus_rows, fill_feature_cache, write_rows
+    from .prompts import load_prompts
+    from .training.corpus import SOURCES, corpus_rows, fill_feature_cache, write_rows
     from .training.data import rollout_sequences
 
     target, tokenizer = load_target(args.target)
-    extra_prompts = []
-    if args.chat_prompts:
-        extra_prompts = [json.loads(line)["prompt"] for f in jsonl_files(args.chat_prompts)
-                         for line in f.read_text().splitlines() if line.strip()]
+    extra_prompts = [prompt for f in jsonl_files(args.chat_prompts) for prompt in load_prompts(str(f), "all")]
     written = []
     for source in args.source:
         rows = corpus_rows(tokenizer, source, args.tokens, seq_len=args.seq_len, seed=args.seed, root=args.root,
                            extra_prompts=extra_prompts)
-        name = source if source in ("code", "math", "chat") else Path(source).stem
+        name = source if source in SOURCES else Path(source).stem
         out = write_rows(rows, Path(args.output_dir) / f"{name}-corpus.jsonl")
         tokens = sum(len(r["response_ids"]) for r in rows)
         print(f"{source}: {len(rows)} rows, {tokens} trained tokens -> {out}")

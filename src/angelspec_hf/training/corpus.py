@@ -25,15 +25,16 @@ import importlib.metadata
 import itertools
 import json
 import random
+import sysconfig
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from ..prompts import load_prompts
-from .data import MIN_TRAINED_TOKENS, chat_prefix_ids, python_source_files, record_row, user_turn_prefix_ids
+from .data import MIN_TRAINED_TOKENS, chat_prefix_ids, record_row, user_turn_prefix_ids
+from .trainer import SequenceCollator
 
 SOURCES = ("code", "math", "chat")
 CODE_FENCE = "```python\n"
@@ -60,6 +61,13 @@ def framed_rows(tokenizer, documents: Iterable[tuple[str, str, str]], seq_len: i
             rows.append({"prompt": prompt, "domain": domain, "origin": origin, "prompt_ids": prefix, "response_ids": chunk})
             total += len(chunk)
     return rows
+
+
+def python_source_files(root: str | None = None, max_bytes: int = 200_000) -> list[Path]:
+    """The Python standard library's own source: plenty of real code that every machine has."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(base.rglob("*.py")) if "site-packages" not in p.parts and p.stat().st_size <= max_bytes]
+    return files
 
 
 def code_documents(rng: random.Random, root: str | None = None) -> Iterator[tuple[str, str, str]]:
@@ -245,18 +253,13 @@ def fill_feature_cache(target, cache, rows: list[dict], batch_size: int = 8) -> 
     Rows are bucketed by length to limit padding. Returns tokens read and tokens per second.
     """
     order = sorted(rows, key=lambda row: len(row["input_ids"]))
+    collate = SequenceCollator(pad_token_id=0)  # padding is masked out and never stored
     tokens, start = 0, time.perf_counter()
     with tqdm(total=sum(len(r["input_ids"]) for r in order), desc="target states", unit="tok", unit_scale=True) as bar:
         for first in range(0, len(order), batch_size):
-            batch = order[first : first + batch_size]
-            width = max(len(r["input_ids"]) for r in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, row in enumerate(batch):
-                ids[i, : len(row["input_ids"])] = torch.tensor(row["input_ids"])
-                mask[i, : len(row["input_ids"])] = 1
-            cache.states(target, ids, mask, mask.sum(1), target.dtype)
-            batch_tokens = int(mask.sum())
+            batch = collate(order[first : first + batch_size])
+            cache.states(target, batch["input_ids"], batch["attention_mask"], batch["lengths"], target.dtype)
+            batch_tokens = int(batch["lengths"].sum())
             tokens += batch_tokens
             bar.update(batch_tokens)
     seconds = time.perf_counter() - start

@@ -1,16 +1,15 @@
-"""Training data for drafters: target rollouts on prompts (offline text: `corpus`).
+"""Training data for drafters: target rollouts on prompts, and the rows both rollouts and
+corpora (`corpus`) become.
 
 Drafters learn the target, not a corpus: rollouts are the target's own greedy responses (chat
-template applied), and offline text (Python source for code) is framed as an assistant reply so
-that the target's hidden states and next-token distributions look like the deployed ones. Only
-token ids are stored (4 bytes a token); features and soft labels are recomputed from the target.
+template applied). Only token ids are stored (4 bytes a token); features and soft labels are
+recomputed from the target (or kept in a `FeatureCache`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sysconfig
 import time
 from pathlib import Path
 
@@ -146,16 +145,6 @@ def synthesize_chat_prompts(
                     prompts[text] = None
                     bar.update(1)
     return list(prompts)
-
-
-# --------------------------------------------------------------------------- offline text
-
-
-def python_source_files(root: str | None = None, max_bytes: int = 200_000) -> list[Path]:
-    """The Python standard library's own source: plenty of real code that every machine has."""
-    base = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [p for p in sorted(base.rglob("*.py")) if "site-packages" not in p.parts and p.stat().st_size <= max_bytes]
-    return files
 
 
 MIN_TRAINED_TOKENS = 32
