@@ -214,10 +214,11 @@ def prompt_reading_rows(tokenizer, prompts: list[str], origin: str) -> list[dict
     return rows
 
 
-def file_documents(paths: list[Path], rng: random.Random) -> list[tuple[str, str, str]]:
+def file_documents(paths: list[Path], rng: random.Random) -> Iterator[tuple[str, str, str]]:
+    """Text files framed by random chat training prompts, read lazily (only until the token budget is met)."""
     prompts = load_prompts("mtbench", "train")
-    return [(rng.choice(prompts), CODE_FENCE if path.suffix == ".py" else "", path.read_text(errors="ignore"))
-            for path in paths]
+    return ((rng.choice(prompts), CODE_FENCE if path.suffix == ".py" else "", path.read_text(errors="ignore"))
+            for path in paths)
 
 
 def corpus_rows(tokenizer, source: str, max_tokens: int, seq_len: int = 320, seed: int = 0,
