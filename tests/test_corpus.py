@@ -85,3 +85,16 @@ def test_the_command_writes_rows_and_fills_the_feature_cache(targets, tmp_path, 
     assert all(cache.load(torch.tensor(row["input_ids"])) is not None for row in rows)
     assert fill_feature_cache(target, cache, rows)["tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert cache.misses == 0
+
+
+def test_data_arguments_take_files_and_directories(tmp_path):
+    from angelspec_hf.cli import jsonl_files
+
+    (tmp_path / "rollouts").mkdir()
+    for name in ("b.jsonl", "a.jsonl", "notes.txt"):
+        (tmp_path / "rollouts" / name).write_text("")
+    (tmp_path / "extra.jsonl").write_text("")
+    files = jsonl_files([str(tmp_path / "rollouts"), str(tmp_path / "extra.jsonl")])
+    assert [f.name for f in files] == ["a.jsonl", "b.jsonl", "extra.jsonl"]
+    with pytest.raises(SystemExit, match="no such file or directory"):
+        jsonl_files([str(tmp_path / "missing")])
