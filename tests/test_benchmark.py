@@ -41,7 +41,7 @@ def test_a_lossy_method_is_flagged(targets):
     assert "NO" in format_table(rows)
 
 
-def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets):
+def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets, tmp_path):
     from angelspec_hf.benchmark import run_concurrency
 
     target, tokenizer = targets.target("llama"), tiny_tokenizer()
@@ -58,6 +58,12 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets):
     assert rows[2]["drafting_steps"] > 0 and set(rows[5]["drafters_chosen"]) <= {"dfly", "mtp", "none"}
     assert "concur" in format_table(rows, group="concurrency")
     assert all(r["lossless"] for r in rows)
+    # Each configuration ran between two AR runs; the AR row reports the median and spread of them all.
+    ar_row = rows[0]
+    assert ar_row["ar_runs"] == len(methods) and ar_row["ar_spread"][0] <= ar_row["tokens_per_s"] <= ar_row["ar_spread"][1]
+    assert all(r["speedup"] > 0 for r in rows[1:])
+    assert write_chart(summarise(run_benchmark(target, tokenizer, drafters, ["math"], per_set=1, max_new_tokens=4)),
+                       tmp_path / "both.png", rows)
     # A wrong reference is reported as lossy.
     references[("math", 0)] = [0]
     broken = run_concurrency(target, tokenizer, {}, ["math"], per_set=2, max_new_tokens=10, levels=[2],

@@ -62,6 +62,13 @@ def test_magpie_prompts_come_from_the_empty_user_header(targets):
                                       min_chars=3)
     assert len(prompts) == 5 and len(set(prompts)) == 5
     assert all(prompt.strip() == prompt and "</s>" not in prompt for prompt in prompts)
+    # A later run keeps the list, adds new turns (a new seed) and never returns an excluded one.
+    grown = synthesize_chat_prompts(targets.target("llama"), tokenizer, count=8, batch_size=8, max_new_tokens=40,
+                                    min_chars=3, existing=prompts, exclude={prompts[0] + "x"})
+    assert grown[:5] == prompts and len(set(grown)) == 8 and prompts[0] + "x" not in grown
+    excluded = synthesize_chat_prompts(targets.target("llama"), tokenizer, count=5, batch_size=8, max_new_tokens=40,
+                                       min_chars=3, exclude=set(prompts))
+    assert not set(excluded) & set(prompts)
 
 
 def test_framed_code_chunks_always_leave_room_for_training(tmp_path):

@@ -145,36 +145,58 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
                     max_new_tokens: int, levels: list[int], references: dict, cost_model=None) -> list[dict]:
     """All prompts through the batched engine at each concurrency: throughput and losslessness.
 
-    Speedups are against the engine's own plain batched decoding at the same concurrency. The
-    prompts of all domains are served together, in domain order, so the router faces a mixed workload.
+    Every speculative configuration runs between two runs of the engine's plain batched decoding
+    (AR, C1, AR, C2, AR, ...) and its speedup is against the mean of those two neighbours: one
+    configuration serves the whole workload for tens of seconds, long enough for a shared
+    machine's speed to move by more than drafting gains. The AR row reports the median of its
+    runs and their spread (``ar_spread``: slowest and fastest tokens/s). The prompts of all
+    domains are served together, in domain order, so the router faces a mixed workload.
     """
-    from .generation import BatchDCutPolicy, SpeculativeEngine
-
     prompts = benchmark_prompts(domains, per_set)
     ids = [chat_inputs(tokenizer, prompt)["input_ids"][0].tolist() for _, _, prompt in prompts]
-    eos = tokenizer.eos_token_id
+    expected = [references.get((domain, index)) for domain, index, _ in prompts]
     rows = []
     for level in levels:
-        baseline = None
-        for name, drafter, cut in engine_configurations(drafters, cost_model):
-            policy = BatchDCutPolicy(cost_model) if cut else None
-            engine = SpeculativeEngine(target, drafter, max_batch_size=level, policy=policy)
-            start = time.perf_counter()
-            outputs = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
-            seconds = time.perf_counter() - start
-            new_tokens = sum(len(out) - len(prompt) for out, prompt in zip(outputs, ids))
-            rate = new_tokens / seconds
-            baseline = rate if baseline is None else baseline
-            accepted = [a for entry in engine.stats for a in entry["accepted"]]
-            rows.append({
-                "method": name, "concurrency": level, "prompts": len(ids), "tokens_per_s": rate,
-                "speedup": rate / baseline, "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
-                "lossless": all(out == references.get((d, i)) for out, (d, i, _) in zip(outputs, prompts)),
-                "drafting_steps": len(policy.windows) if policy is not None else None,
-                "drafters_chosen": sorted({entry["drafter"] for entry in engine.stats}) if isinstance(drafter, dict) else None,
-            })
-            logger.info("concurrency %d, %s: %.1f tokens/s", level, name, rate)
+        configurations = engine_configurations(drafters, cost_model)
+        baseline = _engine_run(target, None, None, level, ids, max_new_tokens, tokenizer.eos_token_id, expected)
+        ar_runs, measured = [baseline], []
+        for name, drafter, cut in configurations[1:]:
+            run = _engine_run(target, drafter, cost_model if cut else None, level, ids, max_new_tokens,
+                              tokenizer.eos_token_id, expected)
+            after = _engine_run(target, None, None, level, ids, max_new_tokens, tokenizer.eos_token_id, expected)
+            run["speedup"] = run["tokens_per_s"] / ((ar_runs[-1]["tokens_per_s"] + after["tokens_per_s"]) / 2)
+            run["method"] = name
+            run["drafters_chosen"] = run["drafters_chosen"] if isinstance(drafter, dict) else None
+            ar_runs.append(after)
+            measured.append(run)
+            logger.info("concurrency %d, %s: %.1f tokens/s (%.2fx)", level, name, run["tokens_per_s"], run["speedup"])
+        ar_rates = [r["tokens_per_s"] for r in ar_runs]
+        ar_row = {**baseline, "method": configurations[0][0], "tokens_per_s": statistics.median(ar_rates), "speedup": 1.0,
+                  "lossless": all(r["lossless"] for r in ar_runs), "drafters_chosen": None, "ar_runs": len(ar_runs),
+                  "ar_spread": [min(ar_rates), max(ar_rates)]}
+        rows += [{"concurrency": level, **row} for row in [ar_row, *measured]]
     return rows
+
+
+def _engine_run(target, drafter, cost_model, level: int, ids: list[list[int]], max_new_tokens: int, eos,
+                expected: list) -> dict:
+    """One pass of the whole workload through a fresh engine: throughput, tau, losslessness."""
+    from .generation import BatchDCutPolicy, SpeculativeEngine
+
+    policy = BatchDCutPolicy(cost_model) if cost_model is not None else None
+    engine = SpeculativeEngine(target, drafter, max_batch_size=level, policy=policy)
+    start = time.perf_counter()
+    outputs = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    seconds = time.perf_counter() - start
+    new_tokens = sum(len(out) - len(prompt) for out, prompt in zip(outputs, ids))
+    accepted = [a for entry in engine.stats for a in entry["accepted"]]
+    return {
+        "prompts": len(ids), "tokens_per_s": new_tokens / seconds,
+        "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
+        "lossless": all(out == reference for out, reference in zip(outputs, expected)),
+        "drafting_steps": len(policy.windows) if policy is not None else None,
+        "drafters_chosen": sorted({entry["drafter"] for entry in engine.stats}),
+    }
 
 
 def summarise(runs: list[Run]) -> list[dict]:
@@ -210,8 +232,9 @@ def format_table(rows: list[dict], group: str = "domain") -> str:
     return "\n".join(lines)
 
 
-def write_chart(rows: list[dict], path: Path) -> bool:
-    """Speedup by method and domain as a grouped bar chart; False when matplotlib is missing."""
+def write_chart(rows: list[dict], path: Path, concurrency: list[dict] | None = None) -> bool:
+    """Speedup by method and domain (batch 1) and, given engine rows, speedup by method and
+    concurrency, as grouped bar charts; False when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -220,23 +243,32 @@ def write_chart(rows: list[dict], path: Path) -> bool:
     except ImportError:
         logger.warning("matplotlib is not installed: no chart written")
         return False
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    domains = list(dict.fromkeys(r["domain"] for r in rows))
-    width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(2.2 * len(domains) + 3, 4))
-    for i, method in enumerate(methods):
-        values = [next((r["speedup"] for r in rows if r["method"] == method and r["domain"] == d), 0.0) for d in domains]
-        ax.bar([j + i * width for j in range(len(domains))], values, width, label=method)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(domains))], domains)
-    ax.set_ylabel("speedup over plain generate (median)")
-    ax.set_title("batch 1, greedy, reference target")
-    ax.legend(fontsize=8)
+    panels = [(rows, "domain", "batch 1 (target.generate)")]
+    if concurrency:
+        panels.append((concurrency, "concurrency", "engine, mixed workload"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 4.5), squeeze=False)
+    for ax, (panel_rows, group, title) in zip(axes[0], panels):
+        _grouped_bars(ax, panel_rows, group)
+        ax.set_title(f"{title}, greedy, reference target")
+    axes[0][0].set_ylabel("speedup over plain decoding (1.0 = AR)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _grouped_bars(ax, rows: list[dict], group: str) -> None:
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        values = [next((r["speedup"] for r in rows if r["method"] == method and r[group] == g), 0.0) for g in groups]
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(groups))],
+                  [f"{group} {g}" if group == "concurrency" else str(g) for g in groups])
+    ax.legend(fontsize=7)
 
 
 def write_report(runs: list[Run], rows: list[dict], path: Path, settings: dict, concurrency: list[dict] | None = None) -> None:

@@ -75,7 +75,7 @@ def run_bench(args: argparse.Namespace) -> int:
     write_report(runs, rows, report, {"target": target_display_name(args.target), "dtype": args.dtype, "per_set": per_set,
                                       "max_new_tokens": max_new_tokens}, concurrency)
     chart = report.with_suffix(".png")
-    print(f"report written to {report}" + (f", chart to {chart}" if write_chart(rows, chart) else ""))
+    print(f"report written to {report}" + (f", chart to {chart}" if write_chart(rows, chart, concurrency) else ""))
     return 0 if all(row["lossless"] for row in rows + concurrency) else 1
 
 
@@ -184,7 +184,10 @@ def run_rollouts(args: argparse.Namespace) -> int:
 
         # Kept beside, not inside, the rollout folder: its rows are prompts, not rollouts.
         synthetic = Path(args.output_dir).parent / "prompts" / f"{Path(args.output_dir).name}-magpie.jsonl"
-        prompts = synthesize_chat_prompts(target, tokenizer, args.magpie, batch_size=args.batch_size)
+        existing = [row["prompt"] for row in map(json.loads, synthetic.read_text().splitlines())] if synthetic.exists() else []
+        held_out = {p for name in PROMPT_SETS for p in load_prompts(name, "eval")}
+        prompts = synthesize_chat_prompts(target, tokenizer, args.magpie, batch_size=args.batch_size,
+                                          existing=existing, exclude=held_out)
         synthetic.parent.mkdir(parents=True, exist_ok=True)
         synthetic.write_text("".join(json.dumps({"prompt": p, "domain": "chat"}) + "\n" for p in prompts))
         speed = generate_rollouts(target, tokenizer, prompts, Path(args.output_dir) / "magpie-train.jsonl",
@@ -387,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--max-new-tokens", type=int, default=192)
     rollouts.add_argument("--batch-size", type=int, default=16)
     rollouts.add_argument("--magpie", type=int, default=0,
-                          help="also synthesise this many chat prompts from the target (Magpie-style) and answer them")
+                          help="also answer Magpie-style chat prompts sampled from the target until the output's prompt list "
+                               "(../prompts/<output-dir name>-magpie.jsonl) holds this many; it grows from run to run")
     rollouts.set_defaults(handler=run_rollouts)
 
     from .training.recipes import RECIPES, Recipe

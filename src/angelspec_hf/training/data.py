@@ -116,34 +116,42 @@ def user_turn_prefix_ids(tokenizer) -> list[int]:
 
 def synthesize_chat_prompts(
     target, tokenizer, count: int, batch_size: int = 16, max_new_tokens: int = 64, seed: int = 0,
-    min_chars: int = 12, max_rounds: int = 50,
+    min_chars: int = 12, existing: list[str] = (), exclude: set[str] = frozenset(), max_samples: int | None = None,
 ) -> list[str]:
     """Magpie-style prompts: the target samples a user turn from its own empty user header.
 
-    Every row shares the same header, so batches need no padding. Duplicates, near-empty turns
-    and turns cut off by the length limit are dropped.
+    Returns ``existing`` followed by new prompts until there are ``count``, so a list grows from
+    run to run (the sampling seed moves with the list's length, so a resumed run draws new turns).
+    Sampling runs through `SpeculativeEngine` (continuous batching): a short turn leaves the
+    batch at its EOS instead of waiting for the longest one. Duplicates, turns in ``exclude``
+    (evaluation prompts), near-empty turns and turns cut off by the length limit are dropped;
+    at most ``max_samples`` (default ``4 * count``) turns are drawn.
     """
-    prefix = torch.tensor([user_turn_prefix_ids(tokenizer)])
+    from ..generation.engine import SpeculativeEngine
+
+    prefix = user_turn_prefix_ids(tokenizer)
     eos = tokenizer.eos_token_id
-    generator_seed = seed
-    prompts: dict[str, None] = {}
-    with tqdm(total=count, desc="synthesising chat prompts", unit="prompt") as bar:
-        for _ in range(max_rounds):
-            if len(prompts) >= count:
-                break
-            torch.manual_seed(generator_seed)
-            generator_seed += 1
-            batch = prefix.repeat(batch_size, 1)
-            with torch.no_grad():
-                out = target.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0,
-                                      top_p=0.95, max_new_tokens=max_new_tokens, pad_token_id=eos)
-            for row in out[:, prefix.shape[1]:].tolist():
-                if eos not in row:
+    prompts: dict[str, None] = dict.fromkeys(existing)
+    budget = max_samples if max_samples is not None else 4 * count
+    engine = SpeculativeEngine(target, None, max_batch_size=batch_size)
+    torch.manual_seed(seed + len(prompts))
+    with tqdm(total=count, initial=min(len(prompts), count), desc="synthesising chat prompts", unit="prompt") as bar:
+        while len(prompts) < count and budget > 0:
+            draws = min(4 * batch_size, budget)
+            budget -= draws
+            outputs = engine.generate([prefix] * draws, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                      do_sample=True, temperature=1.0, top_p=0.95)
+            for output in outputs:
+                turn = output[len(prefix):]
+                if eos not in turn:
                     continue  # cut off: not a complete user turn
-                text = tokenizer.decode(row[: row.index(eos)], skip_special_tokens=True).strip()
-                if len(text) >= min_chars and text not in prompts and len(prompts) < count:
+                text = tokenizer.decode(turn[: turn.index(eos)], skip_special_tokens=True).strip()
+                if len(text) >= min_chars and text not in prompts and text not in exclude and len(prompts) < count:
                     prompts[text] = None
                     bar.update(1)
+    if len(prompts) < count:
+        logger.warning("Synthesised %d of %d chat prompts within %d samples (too many duplicates or cut-off turns).",
+                       len(prompts), count, max_samples if max_samples is not None else 4 * count)
     return list(prompts)
 
 
