@@ -3,6 +3,8 @@
     python examples/train_mtp_reference.py mtp-chat modeling-runs/mtp 500 120
     python examples/train_mtp_reference.py mtp-chat modeling-runs/mtp2 500 120 --from modeling-runs/mtp/final \\
         --corpus data/corpus/SmolLM2-135M-Instruct --lr 4e-4 --cache feature-cache
+    python examples/train_mtp_reference.py mtp-chat modeling-runs/mtp3 400 150 --from modeling-runs/mtp/final \\
+        --lr 4e-4 --chat-repeat 2 --cache feature-cache     # after more Magpie chat rollouts
 
 Both stages read every rollout in the repository: the chat rollouts (Magpie-style and MT-Bench
 training prompts) three times, the code and math rollouts once, so that the drafter sees the
@@ -13,7 +15,10 @@ than the chat rollouts alone hold. Draft vocabulary: the 8192 most frequent resp
 AngelSpec's MTPDraftModel layer. Options: `--from DIR` continues a trained drafter, `--corpus DIR`
 adds `angelspec-hf corpus` rows to the LK stage (the TV stage stays on rollouts), `--lr` sets the
 LK learning rate (TV: a third of it), `--cache DIR` keeps the target's states per row on disk.
-One torch thread, so that a second run or a benchmark can use the other core.
+`--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. The TV stage re-reads
+the rollouts when it starts, so rollouts generated during the LK stage (for example by
+`angelspec-hf rollouts --magpie` on the other core) join it. One torch thread, so that a second
+run or a benchmark can use the other core.
 """
 
 import sys
@@ -37,14 +42,26 @@ torch.set_num_threads(1)
 name, out, lk_steps, tv_steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 target, tokenizer = load_reference_target()
 start = time.time()
-chat = rollout_sequences(sorted(Path("data/rollouts/SmolLM2-135M-Instruct-chat").glob("*.jsonl")), seq_len=448)
-other = rollout_sequences(sorted(Path("data/rollouts/SmolLM2-135M-Instruct").glob("*.jsonl")), seq_len=448)
+
+
+def read_rollouts() -> list[dict]:
+    chat = rollout_sequences(sorted(Path("data/rollouts/SmolLM2-135M-Instruct-chat").glob("*.jsonl")), seq_len=448)
+    other = rollout_sequences(sorted(Path("data/rollouts/SmolLM2-135M-Instruct").glob("*.jsonl")), seq_len=448)
+    print("rollouts:", len(chat), "chat,", len(other), "code/math", flush=True)
+    return chat * int(option("--chat-repeat", 3)) + other
+
+
+rollouts = read_rollouts()
 corpus = rollout_sequences(sorted(Path(option("--corpus")).glob("*.jsonl")), seq_len=448) if option("--corpus") else []
-print("data:", len(chat), "chat rollouts,", len(other), "code/math rollouts,", len(corpus), "corpus rows", flush=True)
-recipe = Recipe(name=name, num_draft_tokens=3, draft_vocab_size=8192, lk_steps=lk_steps, tv_steps=tv_steps,
+print("corpus rows:", len(corpus), flush=True)
+recipe = Recipe(name=name, num_draft_tokens=3, draft_vocab_size=8192, lk_steps=lk_steps, tv_steps=0,
                 batch_size=4, logging_steps=10, learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"))
 drafter = AutoModel.from_pretrained(option("--from")).float().train() if option("--from") else None
-rollouts = chat * 3 + other
-train_drafter(target, rollouts + corpus, out, recipe, pad_token_id=tokenizer.eos_token_id, finish_rows=rollouts,
-              resume="--resume" in sys.argv, drafter=drafter)
+resume = "--resume" in sys.argv
+drafter = train_drafter(target, rollouts + corpus, out, recipe, pad_token_id=tokenizer.eos_token_id, resume=resume,
+                        drafter=drafter)
+# The TV stage re-reads the rollouts: ones generated while the LK stage ran join the finish.
+recipe.lk_steps, recipe.tv_steps = 0, tv_steps
+train_drafter(target, read_rollouts(), out, recipe, pad_token_id=tokenizer.eos_token_id, resume=resume,
+              drafter=drafter.train())
 print(f"done in {time.time() - start:.0f} s", flush=True)

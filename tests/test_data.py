@@ -5,7 +5,7 @@ import json
 import torch
 
 from angelspec_hf.prompts import domain_prompts, load_prompts
-from angelspec_hf.training.data import chat_prefix_ids, generate_rollouts, rollout_sequences
+from angelspec_hf.training.data import chat_prefix_ids, generate_rollouts, record_row, rollout_sequences
 from fitting import tiny_tokenizer
 
 
@@ -53,6 +53,27 @@ def test_rollouts_are_resumable_without_duplicates(targets, tmp_path):
     assert all(seq["loss_start"] == len(chat_prefix_ids(tokenizer, row["prompt"])) for seq, row in zip(sequences, rows))
 
 
+def test_rollouts_keep_the_states_they_decode_for_training(targets, tmp_path):
+    from angelspec_hf.training.features import FeatureCache, run_target
+
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    prompts = [" ".join(f"w{(5 * i + j) % 90 + 6}" for j in range(2 + i % 5)) for i in range(5)]
+    caches = [FeatureCache(tmp_path / "cache", target, [0]), FeatureCache(tmp_path / "cache", target, [1, 0])]
+    out = tmp_path / "rollouts.jsonl"
+    # seq_len cuts the longer rows: the cache holds the rows exactly as training frames them.
+    generate_rollouts(target, tokenizer, prompts, out, max_new_tokens=10, batch_size=2, feature_caches=caches, seq_len=14)
+    rows = [record_row(json.loads(line), 14) for line in out.read_text().splitlines()]
+    assert any(len(row["input_ids"]) == 14 for row in rows)
+    for row in rows:
+        ids = torch.tensor([row["input_ids"]])
+        features, final = run_target(target, ids, torch.ones_like(ids), [0, 1])
+        for cache, picks in zip(caches, ([0], [1, 0])):
+            stored = cache.load(ids[0])
+            assert stored is not None, "every rollout row is cached while decoding"
+            torch.testing.assert_close(stored[0].float(), torch.stack([features[i][0] for i in picks]), atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(stored[1].float(), final[0], atol=2e-3, rtol=2e-3)
+
+
 def test_magpie_prompts_come_from_the_empty_user_header(targets):
     from angelspec_hf.training.data import synthesize_chat_prompts, user_turn_prefix_ids
 
@@ -83,3 +104,28 @@ def test_framed_code_chunks_always_leave_room_for_training(tmp_path):
     assert rows and all(len(row["input_ids"]) - row["loss_start"] >= MIN_TRAINED_TOKENS for row in rows)
     assert all(len(row["input_ids"]) <= 1200 for row in rows)
     assert sum(len(row["input_ids"]) - row["loss_start"] for row in rows) > 2900  # the big file, nearly whole
+
+
+def test_the_rollouts_command_grows_magpie_prompts_and_caches_states_for_each_recipe(targets, tmp_path, monkeypatch):
+    from angelspec_hf import cli
+    from angelspec_hf.training.features import FeatureCache
+    from angelspec_hf.training.recipes import Recipe, new_drafter
+
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    monkeypatch.setattr(cli, "load_target", lambda name, dtype="float32": (target, tokenizer))
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{9 + i} w{40 + i} w{70 - i}"}) + "\n" for i in range(8)))
+    out = tmp_path / "rollouts" / "tiny-chat"
+    command = ["rollouts", "--prompts", str(prompts), "--output-dir", str(out), "--max-new-tokens", "8",
+               "--batch-size", "4", "--feature-cache", str(tmp_path / "cache"), "--recipe", "mtp-chat", "dfly-code"]
+    assert cli.main(command + ["--magpie", "3"]) == 0
+    assert cli.main(command + ["--magpie", "5"]) == 0
+    listed = [json.loads(line)["prompt"] for line in (tmp_path / "rollouts" / "prompts" / "tiny-chat-magpie.jsonl").open()]
+    answered = [json.loads(line) for line in (out / "magpie-train.jsonl").open()]
+    assert len(listed) == 5 and sorted(row["prompt"] for row in answered) == sorted(listed)
+    assert len([line for line in (out / "mine-train.jsonl").open()]) == 6  # the training split of 8
+    for recipe in ("mtp-chat", "dfly-code"):
+        cache = FeatureCache(tmp_path / "cache", target, new_drafter(target, Recipe(name=recipe)).config.target_layer_ids)
+        for path in out.glob("*.jsonl"):
+            for line in path.open():
+                assert cache.load(torch.tensor(record_row(json.loads(line), 448)["input_ids"])) is not None

@@ -66,6 +66,28 @@ def test_rows_stop_at_their_own_eos_and_length(setup):
     assert len(outputs[0]) < len(free[0]) and outputs[0][-1] == eos
 
 
+@pytest.mark.parametrize("name", [None, "mtp", "dfly"])
+def test_captured_states_equal_one_full_forward_of_each_output(setup, name):
+    from angelspec_hf.training.features import run_target
+
+    target, drafters, prompts = setup
+    free = plain(target, prompts[1], max_new_tokens=20, eos_token_id=None)
+    eos = free[PROMPT + 5]
+    layers = [0, 1]
+    engine = SpeculativeEngine(target, drafters.get(name), max_batch_size=3)
+    outputs = engine.generate(prompts, max_new_tokens=20, eos_token_id=eos, capture_layers=layers)
+    assert len(outputs[1]) < len(free)  # a row that stopped at its EOS is captured too
+    for index, output in enumerate(outputs):
+        assert output == plain(target, prompts[index], max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
+        features, final = engine.captured_states[index]
+        ids = torch.tensor([output])
+        expected_features, expected_final = run_target(target, ids, torch.ones_like(ids), layers)
+        # Every token, the last one included, as one forward over the whole output gives them.
+        assert features.shape == (2, len(output), target.config.hidden_size) and final.shape[0] == len(output)
+        torch.testing.assert_close(features, torch.stack(expected_features)[:, 0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(final, expected_final[0], atol=2e-4, rtol=1e-4)
+
+
 def test_a_bad_request_fails_alone(setup):
     target, drafters, prompts = setup
     engine = SpeculativeEngine(target, drafters["mtp"], max_batch_size=2)

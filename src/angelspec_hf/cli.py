@@ -179,6 +179,9 @@ def run_rollouts(args: argparse.Namespace) -> int:
     from .training.data import generate_rollouts
 
     target, tokenizer = load_target(args.target)
+    caches = recipe_feature_caches(target, args.feature_cache, args.recipe) if args.feature_cache else []
+    options = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "feature_caches": caches,
+               "seq_len": args.rollout_length}
     if args.magpie:
         from .training.data import synthesize_chat_prompts
 
@@ -191,13 +194,12 @@ def run_rollouts(args: argparse.Namespace) -> int:
         synthetic.parent.mkdir(parents=True, exist_ok=True)
         synthetic.write_text("".join(json.dumps({"prompt": p, "domain": "chat"}) + "\n" for p in prompts))
         speed = generate_rollouts(target, tokenizer, prompts, Path(args.output_dir) / "magpie-train.jsonl",
-                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, domain="chat")
+                                  domain="chat", **options)
         print(f"magpie: {speed['new_tokens']} new tokens at {speed['tokens_per_s']:.1f} tokens/s")
     for name in args.prompts:
         domain = PROMPT_SETS.get(name, Path(name).stem)
         out = Path(args.output_dir) / f"{Path(name).stem}-train.jsonl"
-        speed = generate_rollouts(target, tokenizer, load_prompts(name, "train"), out, max_new_tokens=args.max_new_tokens,
-                                  batch_size=args.batch_size, domain=domain)
+        speed = generate_rollouts(target, tokenizer, load_prompts(name, "train"), out, domain=domain, **options)
         print(f"{name}: {speed['new_tokens']} new tokens at {speed['tokens_per_s']:.1f} tokens/s")
     return 0
 
@@ -241,6 +243,15 @@ def jsonl_files(paths: list[str]) -> list[Path]:
     return files
 
 
+def recipe_feature_caches(target, directory: str, recipes: list[str]) -> list:
+    """One `FeatureCache` per recipe, each keeping the target layers that recipe's drafter reads."""
+    from .training.features import FeatureCache
+    from .training.recipes import Recipe, new_drafter
+
+    return [FeatureCache(directory, target, new_drafter(target, Recipe(name=name)).config.target_layer_ids)
+            for name in dict.fromkeys(recipes)]
+
+
 def run_corpus(args: argparse.Namespace) -> int:
     from .prompts import load_prompts
     from .training.corpus import SOURCES, corpus_rows, fill_feature_cache, write_rows
@@ -258,14 +269,11 @@ def run_corpus(args: argparse.Namespace) -> int:
         print(f"{source}: {len(rows)} rows, {tokens} trained tokens -> {out}")
         written.append(out)
     if args.feature_cache:
-        from .training.features import FeatureCache
-        from .training.recipes import Recipe, new_drafter
-
-        layers = new_drafter(target, Recipe(name=args.recipe)).config.target_layer_ids
-        cache = FeatureCache(args.feature_cache, target, layers)
-        speed = fill_feature_cache(target, cache, rollout_sequences(written, seq_len=args.rollout_length), args.batch_size)
-        print(f"target states of {speed['tokens']} tokens for recipe {args.recipe} in {speed['seconds']:.0f} s "
-              f"({speed['tokens_per_s']:.0f} tokens/s) -> {cache.directory}")
+        for name, cache in zip(dict.fromkeys(args.recipe), recipe_feature_caches(target, args.feature_cache, args.recipe)):
+            speed = fill_feature_cache(target, cache, rollout_sequences(written, seq_len=args.rollout_length),
+                                       args.batch_size)
+            print(f"target states of {speed['tokens']} tokens for recipe {name} in {speed['seconds']:.0f} s "
+                  f"({speed['tokens_per_s']:.0f} tokens/s) -> {cache.directory}")
     return 0
 
 
@@ -392,9 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--magpie", type=int, default=0,
                           help="also answer Magpie-style chat prompts sampled from the target until the output's prompt list "
                                "(../prompts/<output-dir name>-magpie.jsonl) holds this many; it grows from run to run")
-    rollouts.set_defaults(handler=run_rollouts)
-
     from .training.recipes import RECIPES, Recipe
+
+    rollouts.add_argument("--feature-cache", default=None,
+                          help="keep the target's states of every rollout row there while decoding (no second pass), "
+                               "for `train --feature-cache`")
+    rollouts.add_argument("--recipe", nargs="+", choices=sorted(RECIPES), default=["dfly-code"],
+                          help="the recipes whose drafter layers the feature cache keeps")
+    rollouts.add_argument("--rollout-length", type=int, default=448, help="as `train --rollout-length`")
+    rollouts.set_defaults(handler=run_rollouts)
 
     corpus = commands.add_parser("corpus", help="distillation rows from existing text (code, math, chat, files)")
     corpus.add_argument("--target", default="reference")
@@ -410,8 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     corpus.add_argument("--seed", type=int, default=0)
     corpus.add_argument("--feature-cache", default=None,
                         help="also run the target over the rows now and keep its states there for `train --feature-cache`")
-    corpus.add_argument("--recipe", choices=sorted(RECIPES), default="dfly-code",
-                        help="the recipe whose drafter layers the feature cache keeps")
+    corpus.add_argument("--recipe", nargs="+", choices=sorted(RECIPES), default=["dfly-code"],
+                        help="the recipes whose drafter layers the feature cache keeps (one pass over the rows each)")
     corpus.add_argument("--rollout-length", type=int, default=448, help="as `train --rollout-length`")
     corpus.add_argument("--batch-size", type=int, default=8)
     corpus.set_defaults(handler=run_corpus)

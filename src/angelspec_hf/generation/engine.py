@@ -64,6 +64,9 @@ class _Row:
     draft_logits: torch.Tensor | None = None  # processed draft logits of the current round (sampling)
     draft_seconds: float = 0.0
     accepted: list[int] = field(default_factory=list)
+    # With state capture: (layers, n, H) features and (n, H) final states of committed positions.
+    captured: list = field(default_factory=list)
+    flushed: bool = False  # the last token's states are captured too (it is never verified otherwise)
 
     @property
     def generator(self):
@@ -117,12 +120,21 @@ class SpeculativeEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, domains: list[str | None] | None = None) -> list[list[int] | EngineRequestError]:
+                 top_p: float | None = None, domains: list[str | None] | None = None,
+                 capture_layers: list[int] | None = None) -> list[list[int] | EngineRequestError]:
         """Continue every prompt (greedy, or sampled); a request that cannot be served gets its error instead.
 
         ``domains`` names, per request, the drafter to use (with a ``{name: drafter}`` engine);
-        requests without a known one are routed online.
+        requests without a known one are routed online. ``capture_layers`` (decoder-layer indices,
+        the drafters' ``target_layer_ids`` convention) keeps the target's states of every token of
+        every output while decoding: ``self.captured_states[request] = (features, final)`` with
+        features ``(len(capture_layers), n, H)`` and the final normed hidden state ``(n, H)`` for
+        all ``n`` output tokens, which is what a drafter's training reads (see `FeatureCache`),
+        without a second pass over the text. A finished row stays for one more forward so its last
+        token's states are computed as well.
         """
+        self.capture_layers = list(capture_layers) if capture_layers is not None else None
+        self.captured_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.do_sample = do_sample
         self.processors = self._processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
@@ -147,10 +159,12 @@ class SpeculativeEngine:
                 cache, valid = self._join(rows, cache, valid, joining, eos)
                 rows += joining
             cache, valid = self._step(rows, cache, valid, eos)
-            finished = [i for i, row in enumerate(rows) if self._finished(row, eos)]
+            finished = [i for i, row in enumerate(rows) if self._finished(row, eos) and self._flushed(row)]
             for i in finished:
                 row = rows[i]
                 results[row.index] = row.tokens
+                if self.capture_layers is not None:
+                    self.captured_states[row.index] = self._gather_captured(row)
                 self.stats.append({"index": row.index, "rounds": len(row.accepted), "accepted": row.accepted,
                                    "drafter": row.arm})
             if finished:
@@ -223,10 +237,30 @@ class SpeculativeEngine:
     def _finished(self, row: _Row, eos: set[int]) -> bool:
         return row.new_tokens >= row.max_new_tokens or (row.new_tokens > 0 and row.tokens[-1] in eos)
 
+    def _flushed(self, row: _Row) -> bool:
+        return self.capture_layers is None or row.flushed
+
     def _forward(self, input_ids, attention_mask, position_ids, cache):
-        wanted = [i + 1 for i in self.layer_ids] if self.layer_ids else None
+        wanted = {i + 1 for i in self.layer_ids}
+        if self.capture_layers is not None:
+            wanted |= {i + 1 for i in self.capture_layers} | {self.target.config.get_text_config().num_hidden_layers}
         return self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=cache, use_cache=True, output_hidden_states=wanted)
+                           past_key_values=cache, use_cache=True, output_hidden_states=sorted(wanted) or None)
+
+    def _capture(self, row: _Row, out, index: int, count: int) -> None:
+        """Keep the states of the ``count`` leading window positions of batch row ``index``."""
+        if self.capture_layers is None or count <= 0:
+            return
+        states = out.hidden_states
+        features = torch.stack([states[i + 1][index, :count] for i in self.capture_layers])
+        final = states[self.target.config.get_text_config().num_hidden_layers][index, :count]
+        row.captured.append((features, final))
+
+    @staticmethod
+    def _gather_captured(row: _Row) -> tuple[torch.Tensor, torch.Tensor]:
+        features, final = zip(*row.captured)
+        row.captured = []
+        return torch.cat(features, dim=1), torch.cat(final, dim=0)
 
     def _row_outputs(self, out, row: int, committed: int):
         """The hidden states of one row's ``committed`` leading window positions."""
@@ -259,6 +293,7 @@ class SpeculativeEngine:
             row.tokens.append(self._choose(row.tokens, out.logits[i, row.prompt_length - 1]))
             self._assign_drafters(row)
             row.pending.append(self._row_outputs(out, i, row.prompt_length))
+            self._capture(row, out, i, row.prompt_length)
         new_valid = mask.bool()
         if cache is None:
             return new_cache, new_valid
@@ -336,6 +371,8 @@ class SpeculativeEngine:
     def _step(self, rows, cache, valid, eos):
         """One verify forward for every active row: draft, verify, accept, mask the rejected slots."""
         active = [not self._finished(row, eos) for row in rows]
+        # Finished rows whose last token's states are still wanted run it through once more.
+        flushing = [not a and not self._flushed(row) for row, a in zip(rows, active)]
         policy = self.policy
         drafting = any(row.generator is not None for row, a in zip(rows, active) if a)
         drafting = drafting and (policy is None or policy.should_draft())
@@ -372,7 +409,7 @@ class SpeculativeEngine:
         for i, (row, draft) in enumerate(zip(rows, drafts)):
             window = [row.tokens[-1]] + draft
             ids[i, : len(window)] = torch.tensor(window, device=device)
-            window_valid[i, : len(window)] = active[i]
+            window_valid[i, : len(window)] = active[i] or flushing[i]
             positions[i] = len(row.tokens) - 1 + torch.arange(width, device=device)
         mask = torch.cat([valid, window_valid], dim=1).long()
         start = time.perf_counter()
@@ -381,6 +418,9 @@ class SpeculativeEngine:
         kept = torch.zeros_like(window_valid)
         outcomes = []  # (kept confidences, accepted) of the rows that drafted, for the policy
         for i, (row, draft) in enumerate(zip(rows, drafts)):
+            if flushing[i]:
+                self._capture(row, out, i, 1)
+                row.flushed = True
             if not active[i]:
                 continue
             new = self._accept(row, draft, out.logits[i])
@@ -395,6 +435,7 @@ class SpeculativeEngine:
             row.tokens += new
             # The pending token and the accepted drafts are now committed; the rest is masked for good.
             kept[i, : len(new)] = True
+            self._capture(row, out, i, len(new))
             if row.generators:
                 row.accepted.append(len(new) - 1)
                 if row.generator is not None:

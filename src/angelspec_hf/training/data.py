@@ -33,7 +33,7 @@ def chat_prefix_ids(tokenizer, prompt: str) -> list[int]:
 
 def generate_rollouts(
     target, tokenizer, prompts: list[str], out_file: Path, max_new_tokens: int = 192, batch_size: int = 16,
-    domain: str = "", chunk_size: int | None = None,
+    domain: str = "", chunk_size: int | None = None, feature_caches: list = (), seq_len: int = 448,
 ) -> dict[str, float]:
     """Greedy target responses, appended to a JSONL file of token ids; resumable.
 
@@ -43,6 +43,10 @@ def generate_rollouts(
     takes its place (padded ``generate`` keeps decoding every row until the longest one ends).
     Prompts are sorted by length; rows are written every ``chunk_size`` prompts (default 4
     batches). Returns new tokens, seconds and tokens per second.
+
+    ``feature_caches`` (`FeatureCache` objects) receive the target's states of each row as
+    training will read it (`record_row` with ``seq_len``), captured while decoding: no second
+    pass over the rollouts.
     """
     from ..generation.engine import EngineRequestError, SpeculativeEngine
 
@@ -52,20 +56,25 @@ def generate_rollouts(
         done = {json.loads(line)["prompt"] for line in out_file.read_text().splitlines() if line.strip()}
     todo = sorted((p for p in dict.fromkeys(prompts) if p not in done), key=lambda p: len(chat_prefix_ids(tokenizer, p)))
     engine = SpeculativeEngine(target, None, max_batch_size=batch_size)
+    capture = sorted({i for cache in feature_caches for i in cache.layer_ids}) if feature_caches else None
     chunk_size = chunk_size or 4 * batch_size
     new_tokens, start = 0, time.perf_counter()
     with open(out_file, "a") as sink, tqdm(total=len(todo), desc=f"rollouts {out_file.name}", unit="prompt") as bar:
         for first in range(0, len(todo), chunk_size):
             batch = todo[first : first + chunk_size]
             prefixes = [chat_prefix_ids(tokenizer, p) for p in batch]
-            outputs = engine.generate(prefixes, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-            for prompt, prefix, output in zip(batch, prefixes, outputs):
+            outputs = engine.generate(prefixes, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                      capture_layers=capture)
+            for index, (prompt, prefix, output) in enumerate(zip(batch, prefixes, outputs)):
                 if isinstance(output, EngineRequestError):
                     logger.warning("Skipping a prompt the target cannot continue: %s", output)
                     continue
                 response = _strip_after_eos(output[len(prefix):], tokenizer.eos_token_id)
                 new_tokens += len(response)
-                sink.write(json.dumps({"prompt": prompt, "domain": domain, "prompt_ids": prefix, "response_ids": response}) + "\n")
+                record = {"prompt": prompt, "domain": domain, "prompt_ids": prefix, "response_ids": response}
+                if capture is not None:
+                    _store_captured(feature_caches, capture, engine.captured_states[index], record_row(record, seq_len))
+                sink.write(json.dumps(record) + "\n")
             sink.flush()
             bar.update(len(batch))
             bar.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
@@ -104,6 +113,16 @@ def record_row(record: dict, seq_len: int) -> dict:
 # --------------------------------------------------------------------------- synthetic chat prompts
 
 _SENTINEL = "\u2063angelspec-user-turn\u2063"
+
+
+def _store_captured(caches: list, captured_layers: list[int], states: tuple[torch.Tensor, torch.Tensor], row: dict) -> None:
+    """Store one row's captured states in every cache, each with the layers it keeps."""
+    features, final = states
+    length = len(row["input_ids"])
+    token_ids = torch.tensor(row["input_ids"])
+    for cache in caches:
+        picks = [captured_layers.index(i) for i in cache.layer_ids]
+        cache.store(token_ids, features[picks, :length], final[:length])
 
 
 def user_turn_prefix_ids(tokenizer) -> list[int]:
