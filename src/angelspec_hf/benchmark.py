@@ -246,7 +246,7 @@ def write_chart(rows: list[dict], path: Path, concurrency: list[dict] | None = N
     panels = [(rows, "domain", "batch 1 (target.generate)")]
     if concurrency:
         panels.append((concurrency, "concurrency", "engine, mixed workload"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 6), squeeze=False)
     for ax, (panel_rows, group, title) in zip(axes[0], panels):
         _grouped_bars(ax, panel_rows, group)
         ax.set_title(f"{title}, greedy, reference target")
@@ -264,11 +264,16 @@ def _grouped_bars(ax, rows: list[dict], group: str) -> None:
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
         values = [next((r["speedup"] for r in rows if r["method"] == method and r[group] == g), 0.0) for g in groups]
-        ax.bar([j + i * width for j in range(len(groups))], values, width, label=method)
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=_short_name(method))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(groups))],
                   [f"{group} {g}" if group == "concurrency" else str(g) for g in groups])
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, frameon=False)
+
+
+def _short_name(method: str) -> str:
+    """``<target>-AngelSpec-<kind>`` drafter directory names read as ``<kind>`` in charts."""
+    return method.split("-AngelSpec-", 1)[-1]
 
 
 def write_report(runs: list[Run], rows: list[dict], path: Path, settings: dict, concurrency: list[dict] | None = None) -> None:
