@@ -82,6 +82,16 @@ def generate_rollouts(
     return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0}
 
 
+def _store_captured(caches: list, captured_layers: list[int], states: tuple[torch.Tensor, torch.Tensor], row: dict) -> None:
+    """Store one row's captured states in every cache, each with the layers it keeps."""
+    features, final = states
+    length = len(row["input_ids"])
+    token_ids = torch.tensor(row["input_ids"])
+    for cache in caches:
+        picks = [captured_layers.index(i) for i in cache.layer_ids]
+        cache.store(token_ids, features[picks, :length], final[:length])
+
+
 def _strip_after_eos(row: list[int], eos: int | None) -> list[int]:
     if eos is not None and eos in row:
         return row[: row.index(eos) + 1]
@@ -113,16 +123,6 @@ def record_row(record: dict, seq_len: int) -> dict:
 # --------------------------------------------------------------------------- synthetic chat prompts
 
 _SENTINEL = "\u2063angelspec-user-turn\u2063"
-
-
-def _store_captured(caches: list, captured_layers: list[int], states: tuple[torch.Tensor, torch.Tensor], row: dict) -> None:
-    """Store one row's captured states in every cache, each with the layers it keeps."""
-    features, final = states
-    length = len(row["input_ids"])
-    token_ids = torch.tensor(row["input_ids"])
-    for cache in caches:
-        picks = [captured_layers.index(i) for i in cache.layer_ids]
-        cache.store(token_ids, features[picks, :length], final[:length])
 
 
 def user_turn_prefix_ids(tokenizer) -> list[int]:
