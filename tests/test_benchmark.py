@@ -1,6 +1,7 @@
 """The benchmark's bookkeeping on a tiny target: every method runs, is compared, and is reported."""
 
 import json
+import statistics
 
 from angelspec_hf.benchmark import AR, PROMPT_LOOKUP, ROUTER, format_table, run_benchmark, summarise, write_chart, write_report
 from angelspec_hf.generation import CostModel
@@ -64,6 +65,11 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets, tmp
     assert all(r["speedup"] > 0 for r in rows[1:])
     assert write_chart(summarise(run_benchmark(target, tokenizer, drafters, ["math"], per_set=1, max_new_tokens=4)),
                        tmp_path / "both.png", rows)
+    # Repeated passes: every configuration measured twice, the row keeps the median and both ratios.
+    twice = run_concurrency(target, tokenizer, {"mtp": drafters["mtp"]}, ["math"], per_set=1, max_new_tokens=6,
+                            levels=[2], references=references, repeats=2)
+    assert twice[0]["ar_runs"] == 3 and len(twice[1]["speedups"]) == 2
+    assert twice[1]["speedup"] == statistics.median(twice[1]["speedups"])
     # A wrong reference is reported as lossy.
     references[("math", 0)] = [0]
     broken = run_concurrency(target, tokenizer, {}, ["math"], per_set=2, max_new_tokens=10, levels=[2],

@@ -142,40 +142,55 @@ def engine_configurations(drafters: dict[str, object], cost_model=None) -> list[
 
 
 def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
-                    max_new_tokens: int, levels: list[int], references: dict, cost_model=None) -> list[dict]:
+                    max_new_tokens: int, levels: list[int], references: dict, cost_model=None,
+                    repeats: int = 1) -> list[dict]:
     """All prompts through the batched engine at each concurrency: throughput and losslessness.
 
     Every speculative configuration runs between two runs of the engine's plain batched decoding
     (AR, C1, AR, C2, AR, ...) and its speedup is against the mean of those two neighbours: one
     configuration serves the whole workload for tens of seconds, long enough for a shared
-    machine's speed to move by more than drafting gains. The AR row reports the median of its
-    runs and their spread (``ar_spread``: slowest and fastest tokens/s). The prompts of all
-    domains are served together, in domain order, so the router faces a mixed workload.
+    machine's speed to move by more than drafting gains. With ``repeats`` > 1 the whole sequence
+    runs that many times and each row reports the median of its runs (``speedups``: every one).
+    The AR row reports the median of its runs and their spread (``ar_spread``: slowest and
+    fastest tokens/s). The prompts of all domains are served together, in domain order, so the
+    router faces a mixed workload.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
     prompts = benchmark_prompts(domains, per_set)
     ids = [chat_inputs(tokenizer, prompt)["input_ids"][0].tolist() for _, _, prompt in prompts]
     expected = [references.get((domain, index)) for domain, index, _ in prompts]
+    eos = tokenizer.eos_token_id
     rows = []
     for level in levels:
         configurations = engine_configurations(drafters, cost_model)
-        baseline = _engine_run(target, None, None, level, ids, max_new_tokens, tokenizer.eos_token_id, expected)
-        ar_runs, measured = [baseline], []
-        for name, drafter, cut in configurations[1:]:
-            run = _engine_run(target, drafter, cost_model if cut else None, level, ids, max_new_tokens,
-                              tokenizer.eos_token_id, expected)
-            after = _engine_run(target, None, None, level, ids, max_new_tokens, tokenizer.eos_token_id, expected)
-            run["speedup"] = run["tokens_per_s"] / ((ar_runs[-1]["tokens_per_s"] + after["tokens_per_s"]) / 2)
-            run["method"] = name
-            run["drafters_chosen"] = run["drafters_chosen"] if isinstance(drafter, dict) else None
-            ar_runs.append(after)
-            measured.append(run)
-            logger.info("concurrency %d, %s: %.1f tokens/s (%.2fx)", level, name, run["tokens_per_s"], run["speedup"])
+        ar_runs = [_engine_run(target, None, None, level, ids, max_new_tokens, eos, expected)]
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in configurations[1:]}
+        for _ in range(repeats):
+            for name, drafter, cut in configurations[1:]:
+                run = _engine_run(target, drafter, cost_model if cut else None, level, ids, max_new_tokens, eos, expected)
+                after = _engine_run(target, None, None, level, ids, max_new_tokens, eos, expected)
+                run["speedup"] = run["tokens_per_s"] / ((ar_runs[-1]["tokens_per_s"] + after["tokens_per_s"]) / 2)
+                run["drafters_chosen"] = run["drafters_chosen"] if isinstance(drafter, dict) else None
+                ar_runs.append(after)
+                runs[name].append(run)
+                logger.info("concurrency %d, %s: %.1f tokens/s (%.2fx)", level, name, run["tokens_per_s"], run["speedup"])
         ar_rates = [r["tokens_per_s"] for r in ar_runs]
-        ar_row = {**baseline, "method": configurations[0][0], "tokens_per_s": statistics.median(ar_rates), "speedup": 1.0,
-                  "lossless": all(r["lossless"] for r in ar_runs), "drafters_chosen": None, "ar_runs": len(ar_runs),
-                  "ar_spread": [min(ar_rates), max(ar_rates)]}
-        rows += [{"concurrency": level, **row} for row in [ar_row, *measured]]
+        ar_row = {**ar_runs[0], "method": configurations[0][0], "tokens_per_s": statistics.median(ar_rates),
+                  "speedup": 1.0, "lossless": all(r["lossless"] for r in ar_runs), "drafters_chosen": None,
+                  "ar_runs": len(ar_runs), "ar_spread": [min(ar_rates), max(ar_rates)]}
+        rows += [{"concurrency": level, **ar_row}]
+        rows += [{"concurrency": level, "method": name, **_median_run(mine)} for name, mine in runs.items()]
     return rows
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """One row from repeated runs of a configuration: median tokens/s and speedup, every speedup kept."""
+    taus = [r["tau"] for r in runs if r["tau"] is not None]
+    return {**runs[0], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "speedup": statistics.median(r["speedup"] for r in runs), "speedups": [r["speedup"] for r in runs],
+            "tau": statistics.mean(taus) if taus else None, "lossless": all(r["lossless"] for r in runs),
+            "drafting_steps": runs[0]["drafting_steps"] if len(runs) == 1 else None}
 
 
 def _engine_run(target, drafter, cost_model, level: int, ids: list[list[int]], max_new_tokens: int, eos,
