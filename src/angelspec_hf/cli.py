@@ -179,7 +179,7 @@ def run_rollouts(args: argparse.Namespace) -> int:
     from .training.data import generate_rollouts
 
     target, tokenizer = load_target(args.target)
-    caches = recipe_feature_caches(target, args.feature_cache, args.recipe) if args.feature_cache else []
+    caches = list(recipe_feature_caches(target, args.feature_cache, args.recipe).values()) if args.feature_cache else []
     options = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "feature_caches": caches,
                "seq_len": args.rollout_length}
     if args.magpie:
@@ -243,13 +243,13 @@ def jsonl_files(paths: list[str]) -> list[Path]:
     return files
 
 
-def recipe_feature_caches(target, directory: str, recipes: list[str]) -> list:
-    """One `FeatureCache` per recipe, each keeping the target layers that recipe's drafter reads."""
+def recipe_feature_caches(target, directory: str, recipes: list[str]) -> dict:
+    """Recipe name -> a `FeatureCache` keeping the target layers that recipe's drafter reads (once per name)."""
     from .training.features import FeatureCache
     from .training.recipes import Recipe, new_drafter
 
-    return [FeatureCache(directory, target, new_drafter(target, Recipe(name=name)).config.target_layer_ids)
-            for name in dict.fromkeys(recipes)]
+    return {name: FeatureCache(directory, target, new_drafter(target, Recipe(name=name)).config.target_layer_ids)
+            for name in recipes}
 
 
 def run_corpus(args: argparse.Namespace) -> int:
@@ -269,7 +269,7 @@ def run_corpus(args: argparse.Namespace) -> int:
         print(f"{source}: {len(rows)} rows, {tokens} trained tokens -> {out}")
         written.append(out)
     if args.feature_cache:
-        for name, cache in zip(dict.fromkeys(args.recipe), recipe_feature_caches(target, args.feature_cache, args.recipe)):
+        for name, cache in recipe_feature_caches(target, args.feature_cache, args.recipe).items():
             speed = fill_feature_cache(target, cache, rollout_sequences(written, seq_len=args.rollout_length),
                                        args.batch_size)
             print(f"target states of {speed['tokens']} tokens for recipe {name} in {speed['seconds']:.0f} s "

@@ -113,6 +113,7 @@ class SpeculativeEngine:
         self.policy = policy
         text = target.config.get_text_config()
         self.max_positions = getattr(text, "max_position_embeddings", None)
+        self.final_state_index = text.num_hidden_layers  # hidden_states[L]: the final normed state
         self.layer_ids = sorted({i for model in drafters.values() for i in model.config.target_layer_ids})
 
     # -- public ---------------------------------------------------------------------------
@@ -135,6 +136,10 @@ class SpeculativeEngine:
         """
         self.capture_layers = list(capture_layers) if capture_layers is not None else None
         self.captured_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        wanted = {i + 1 for i in self.layer_ids}
+        if self.capture_layers is not None:
+            wanted |= {i + 1 for i in self.capture_layers} | {self.final_state_index}
+        self.state_indices = sorted(wanted) or None  # hidden states every forward of this call returns
         self.do_sample = do_sample
         self.processors = self._processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
@@ -241,11 +246,8 @@ class SpeculativeEngine:
         return self.capture_layers is None or row.flushed
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):
-        wanted = {i + 1 for i in self.layer_ids}
-        if self.capture_layers is not None:
-            wanted |= {i + 1 for i in self.capture_layers} | {self.target.config.get_text_config().num_hidden_layers}
         return self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=cache, use_cache=True, output_hidden_states=sorted(wanted) or None)
+                           past_key_values=cache, use_cache=True, output_hidden_states=self.state_indices)
 
     def _capture(self, row: _Row, out, index: int, count: int) -> None:
         """Keep the states of the ``count`` leading window positions of batch row ``index``."""
@@ -253,7 +255,7 @@ class SpeculativeEngine:
             return
         states = out.hidden_states
         features = torch.stack([states[i + 1][index, :count] for i in self.capture_layers])
-        final = states[self.target.config.get_text_config().num_hidden_layers][index, :count]
+        final = states[self.final_state_index][index, :count]
         row.captured.append((features, final))
 
     @staticmethod

@@ -151,7 +151,8 @@ def synthesize_chat_prompts(
     prefix = user_turn_prefix_ids(tokenizer)
     eos = tokenizer.eos_token_id
     prompts: dict[str, None] = dict.fromkeys(existing)
-    budget = max_samples if max_samples is not None else 4 * count
+    allowed = max_samples if max_samples is not None else 4 * count
+    budget = allowed
     engine = SpeculativeEngine(target, None, max_batch_size=batch_size)
     torch.manual_seed(seed + len(prompts))
     with tqdm(total=count, initial=min(len(prompts), count), desc="synthesising chat prompts", unit="prompt") as bar:
@@ -170,7 +171,7 @@ def synthesize_chat_prompts(
                     bar.update(1)
     if len(prompts) < count:
         logger.warning("Synthesised %d of %d chat prompts within %d samples (too many duplicates or cut-off turns).",
-                       len(prompts), count, max_samples if max_samples is not None else 4 * count)
+                       len(prompts), count, allowed)
     return list(prompts)
 
 
