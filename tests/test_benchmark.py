@@ -3,7 +3,17 @@
 import json
 import statistics
 
-from angelspec_hf.benchmark import AR, PROMPT_LOOKUP, ROUTER, format_table, run_benchmark, summarise, write_chart, write_report
+from angelspec_hf.benchmark import (
+    AR,
+    PROMPT_LOOKUP,
+    ROUTER,
+    _median_run,
+    format_table,
+    run_benchmark,
+    summarise,
+    write_chart,
+    write_report,
+)
 from angelspec_hf.generation import CostModel
 from fitting import tiny_tokenizer
 
@@ -85,3 +95,15 @@ def test_a_dflash_drafter_also_runs_through_transformers_own_dflash_path(targets
     native = by_method["dflash via transformers' DFlash"]
     # Same drafts, so the same tau (acceptance itself is checked in test_interop_dflash).
     assert native["lossless"] and native["tau"] == by_method["dflash"]["tau"]
+
+
+def test_repeated_engine_runs_report_median_drafting_steps_and_every_chosen_drafter():
+    def run(rate, steps, chosen):
+        return {"prompts": 2, "tokens_per_s": rate, "speedup": rate / 10, "tau": 1.2, "lossless": True,
+                "drafting_steps": steps, "drafters_chosen": chosen}
+
+    row = _median_run([run(9, 4, ["mtp"]), run(12, 8, ["none"]), run(10, 6, ["mtp", "dfly"])])
+    assert row["tokens_per_s"] == 10 and row["speedups"] == [0.9, 1.2, 1.0]
+    assert row["drafting_steps"] == 6 and row["drafters_chosen"] == ["dfly", "mtp", "none"]
+    plain = _median_run([run(9, None, None), run(11, None, None)])
+    assert plain["drafting_steps"] is None and plain["drafters_chosen"] is None

@@ -1,5 +1,6 @@
 """Block (DFly-family) training: anchors, the block mask, train/inference agreement, the trainer."""
 
+import copy
 import json
 
 import torch
@@ -69,6 +70,35 @@ def test_block_loss_objectives_have_gradients(targets):
         assert result.alpha.shape == (2, 6, 3)
         assert drafter.context_proj.weight.grad.abs().sum() > 0
         assert 1.0 <= result.metrics()["greedy_tau_estimate"] <= 4.0
+
+
+def test_reduced_vocabulary_scores_draft_and_target_over_it(targets):
+    """With a draft vocabulary the loss is the full-head loss of a target whose head has only those rows."""
+    target = targets.target("qwen3")
+    torch.manual_seed(0)
+    drafter = DFlyDrafter.from_target(target, block_size=4)
+    sequence = targets.sequences("qwen3")[:2]
+    out = target.base_model(sequence, output_hidden_states=[i + 1 for i in drafter.config.target_layer_ids])
+    features = [out.hidden_states[i + 1] for i in drafter.config.target_layer_ids]
+    anchors = sample_anchors(torch.tensor([PROMPT_LENGTH] * 2), torch.tensor([sequence.shape[1]] * 2), 4, 6)
+    ids = torch.unique(sequence)
+    full_head = target.get_output_embeddings()
+    subset_head = torch.nn.Linear(full_head.in_features, ids.numel(), bias=False)
+    subset_head.weight = torch.nn.Parameter(full_head.weight[ids].detach())
+    reduced = copy.deepcopy(drafter)
+    reduced.set_draft_vocab(ids)
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        for objective in ("lk", "tv"):
+            expected = block_loss(drafter, features, sequence, out.last_hidden_state, embed, subset_head, anchors,
+                                  objective=objective)
+            got = block_loss(reduced, features, sequence, out.last_hidden_state, embed, full_head, anchors,
+                             objective=objective)
+            torch.testing.assert_close(got.loss, expected.loss)
+            torch.testing.assert_close(got.alpha, expected.alpha)
+            full = block_loss(drafter, features, sequence, out.last_hidden_state, embed, full_head, anchors,
+                              objective=objective)
+            assert not torch.allclose(full.alpha, got.alpha)
 
 
 def test_two_stage_training_improves_the_drafter_and_saves_it(targets, tmp_path):

@@ -198,6 +198,23 @@ def test_declared_domains_pick_their_drafter(setup):
     assert {entry["index"]: entry["drafter"] for entry in engine.stats} == dict(enumerate(domains))
 
 
+class _ClosedThenOpen:
+    """A batch policy that keeps drafting off for the first ``closed`` steps, then never cuts."""
+
+    def __init__(self, closed: int):
+        self.closed = closed
+
+    def should_draft(self) -> bool:
+        self.closed -= 1
+        return self.closed < 0
+
+    def window(self, confidences, batch, context) -> int:
+        return 1 + max(map(len, confidences), default=0)
+
+    def observe(self, outcomes, batch, width, context, draft_seconds) -> None:
+        pass
+
+
 def test_unknown_domains_are_routed_to_the_drafter_that_pays(setup):
     """A fitted drafter against a useless one and no drafter: requests settle on the fitted one.
 
@@ -221,3 +238,25 @@ def test_unknown_domains_are_routed_to_the_drafter_that_pays(setup):
         assert output == plain(target, prompt, max_new_tokens=30, eos_token_id=None)
     chosen = [entry["drafter"] for entry in engine.stats]
     assert chosen.count("fitted") >= 3 and "useless" not in chosen, chosen
+
+
+def test_rounds_without_drafting_do_not_count_as_probes(setup):
+    """While the policy keeps drafting off, every arm would look like "no drafter": the probes wait."""
+    import time
+
+    target, drafters, prompts = setup
+    torch.manual_seed(9)
+    useless = DFlyDrafter.from_target(target, block_size=5).eval()
+    engine = SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless}, max_batch_size=5,
+                               probe_rounds=2, policy=_ClosedThenOpen(closed=8))
+    handle = target.register_forward_pre_hook(lambda module, args: time.sleep(0.1))
+    try:
+        outputs = engine.generate(prompts[:5], max_new_tokens=30)
+    finally:
+        handle.remove()
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=30, eos_token_id=None)
+    chosen = [entry["drafter"] for entry in engine.stats]
+    assert chosen.count("fitted") >= 3 and "useless" not in chosen, chosen
+    # The fitted drafter's probes ran with drafting on: they gained more than one token a round.
+    assert sum(entry["probes"]["fitted"][0] for entry in engine.stats) > 2 * len(engine.stats)

@@ -185,12 +185,16 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """One row from repeated runs of a configuration: median tokens/s and speedup, every speedup kept."""
+    """One row from repeated runs of a configuration: median tokens/s, speedup and drafting steps,
+    every speedup kept, the drafters the router chose in any run."""
     taus = [r["tau"] for r in runs if r["tau"] is not None]
+    steps = [r["drafting_steps"] for r in runs if r["drafting_steps"] is not None]
+    chosen = [r["drafters_chosen"] for r in runs if r["drafters_chosen"] is not None]
     return {**runs[0], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "speedup": statistics.median(r["speedup"] for r in runs), "speedups": [r["speedup"] for r in runs],
             "tau": statistics.mean(taus) if taus else None, "lossless": all(r["lossless"] for r in runs),
-            "drafting_steps": runs[0]["drafting_steps"] if len(runs) == 1 else None}
+            "drafting_steps": statistics.median(steps) if steps else None,
+            "drafters_chosen": sorted(set().union(*chosen)) if chosen else None}
 
 
 def _engine_run(target, drafter, cost_model, level: int, ids: list[list[int]], max_new_tokens: int, eos,

@@ -93,7 +93,9 @@ class SpeculativeEngine:
     >>> outputs = engine.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=128)
 
     With ``policy=BatchDCutPolicy(load_or_profile(target, name))`` the verify window of every
-    step is chosen across the batch and drafting stops when it does not pay.
+    step is chosen across the batch and drafting stops when it does not pay. After a call,
+    ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
+    ended on and, for a routed request, ``probes``: arm -> (tokens, seconds) of its probe rounds.
     """
 
     def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2, policy=None):
@@ -171,7 +173,8 @@ class SpeculativeEngine:
                 if self.capture_layers is not None:
                     self.captured_states[row.index] = self._gather_captured(row)
                 self.stats.append({"index": row.index, "rounds": len(row.accepted), "accepted": row.accepted,
-                                   "drafter": row.arm})
+                                   "drafter": row.arm,
+                                   "probes": {arm: tuple(score) for arm, score in row.arm_scores.items()}})
             if finished:
                 keep = [i for i in range(len(rows)) if i not in finished]
                 rows = [rows[i] for i in keep]
@@ -376,8 +379,10 @@ class SpeculativeEngine:
         # Finished rows whose last token's states are still wanted run it through once more.
         flushing = [not a and not self._flushed(row) for row, a in zip(rows, active)]
         policy = self.policy
-        drafting = any(row.generator is not None for row, a in zip(rows, active) if a)
-        drafting = drafting and (policy is None or policy.should_draft())
+        any_drafter = any(row.generator is not None for row, a in zip(rows, active) if a)
+        # A round the policy keeps every drafter out of is plain decoding whatever a row's arm: no probe.
+        gated = any_drafter and policy is not None and not policy.should_draft()
+        drafting = any_drafter and not gated
         drafts = []
         for row, is_active in zip(rows, active):
             row.draft_seconds = 0.0
@@ -443,7 +448,8 @@ class SpeculativeEngine:
                 if row.generator is not None:
                     row.generator.update_candidate_strategy(None, None, len(new) - 1)
                 row.pending.append(self._row_outputs(out, i, len(new)))
-                self._score(row, len(new), row.draft_seconds + verify_share)
+                if not gated:
+                    self._score(row, len(new), row.draft_seconds + verify_share)
         if policy is not None and drafting:
             policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows))
         return cache, torch.cat([valid, kept], dim=1)

@@ -19,6 +19,7 @@ from .losses import (
     end_to_end_tv_loss,
     expected_accepted_length,
     lk_loss,
+    vocabulary_logits,
     weighted_mean,
 )
 
@@ -72,10 +73,6 @@ def block_attention_mask(anchors: torch.Tensor, block_size: int, context_length:
     return mask[:, None]
 
 
-def target_logits_at(lm_head, hidden: torch.Tensor) -> torch.Tensor:
-    return lm_head(hidden).float()
-
-
 def block_loss(
     drafter,
     features: list[torch.Tensor],
@@ -110,9 +107,9 @@ def block_loss(
     label_positions = block_positions[..., :-1]  # target's view of token p+j sits at position p+j-1
     previous = input_ids.gather(1, label_positions.flatten(1)).view(batch, num_anchors, block - 1)
     z = drafter.correct(z, embed_tokens(previous).to(dtype))
-    draft_logits = drafter.logits(z, lm_head).float()
     index = label_positions.flatten(1)[..., None].expand(-1, -1, target_hidden.shape[-1])
-    target = target_logits_at(lm_head, target_hidden.gather(1, index)).view(batch, num_anchors, block - 1, -1)
+    draft_logits, target = vocabulary_logits(drafter, lm_head, z, target_hidden.gather(1, index))
+    target = target.view(batch, num_anchors, block - 1, -1)
     target_tokens = target.argmax(-1)
     greedy_match = draft_logits.argmax(-1) == target_tokens
     if objective == "lk":

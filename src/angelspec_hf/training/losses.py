@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 CHUNK_ROWS = 1024
 
@@ -95,3 +96,16 @@ def position_decay(num_positions: int, gamma: float = 0.8, device=None) -> torch
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum() / weights.sum().clamp_min(math.ulp(1.0))
+
+
+def vocabulary_logits(drafter, lm_head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor):
+    """Draft and target logits over the drafter's vocabulary (the reduced one if it has one), for
+    MTP and block drafters alike (both expose ``vocab_logits`` and ``draft_token_ids``).
+
+    With a reduced vocabulary the target is renormalised over it (EAGLE-3's choice): outside it
+    the drafter has no mass to move, and full-vocabulary logits would cost V/|draft| times more.
+    """
+    draft = drafter.vocab_logits(draft_hidden, lm_head).float()
+    if not drafter.config.uses_reduced_vocab:
+        return draft, lm_head(target_hidden).float()
+    return draft, F.linear(target_hidden, lm_head.weight[drafter.draft_token_ids()]).float()

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .losses import (
     acceptance_probability,
@@ -22,6 +21,7 @@ from .losses import (
     expected_accepted_length,
     lk_loss,
     position_decay,
+    vocabulary_logits,
     weighted_mean,
 )
 
@@ -68,18 +68,6 @@ def step_attention(attn_module, x: torch.Tensor, positions: torch.Tensor, commit
         out = out + weights[..., length + index : length + index + 1] * expand(value)
     out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
     return attn_module.o_proj(out), (k, v)
-
-
-def vocabulary_logits(drafter, lm_head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor):
-    """Draft and target logits over the drafter's vocabulary (the reduced one if it has one).
-
-    With a reduced vocabulary the target is renormalised over it (EAGLE-3's choice): outside it
-    the drafter has no mass to move, and full-vocabulary logits would cost V/|draft| times more.
-    """
-    draft = drafter.vocab_logits(draft_hidden, lm_head).float()
-    if not drafter.config.uses_reduced_vocab:
-        return draft, lm_head(target_hidden).float()
-    return draft, F.linear(target_hidden, lm_head.weight[drafter.draft_token_ids()]).float()
 
 
 def chain_loss(
