@@ -108,12 +108,16 @@ def test_engine_refuses_a_foreign_drafter_and_a_bad_temperature(setup):
         SpeculativeEngine(target).generate([[5, 6]], do_sample=True, temperature=0.0)
 
 
-def cutting_policy(explore_every: int = 5, slot_cost: float = 0.2):
-    """A batch D-cut under which windows really vary: each extra slot costs ``slot_cost`` forwards."""
+def cutting_policy(explore_every: int = 5, slot_cost: float = 0.2, forward_seconds: float = 1.0):
+    """A batch D-cut under which windows really vary: each extra slot costs ``slot_cost`` forwards.
+
+    The draft gate compares real drafting seconds with these modelled forwards: a long modelled
+    forward keeps a loaded machine's slow drafting from deciding a test about cutting.
+    """
     from angelspec_hf.generation import BatchDCutPolicy, CostModel
 
-    wide = 1.0 + 7 * slot_cost
-    seconds = [[[1.0, 1.0], [wide, wide]], [[1.5, 1.5], [1.5 * wide, 1.5 * wide]]]
+    one, wide = forward_seconds, forward_seconds * (1.0 + 7 * slot_cost)
+    seconds = [[[one, one], [wide, wide]], [[1.5 * one, 1.5 * one], [1.5 * wide, 1.5 * wide]]]
     model = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 512], batch_sizes=[1, 16], seconds=seconds)
     return BatchDCutPolicy(model, explore_every=explore_every)
 
@@ -160,7 +164,7 @@ def test_engine_sampling_matches_plain_sampling(name, settings):
     reference = plain_samples(target, seed=1, **settings)
     torch.manual_seed(2)
     # Cheap slots: the random drafter's drafts must keep being verified, and cut.
-    policy = cutting_policy(explore_every=3, slot_cost=0.05) if name.endswith("batch-dcut") else None
+    policy = cutting_policy(explore_every=3, slot_cost=0.01, forward_seconds=10.0) if name.endswith("batch-dcut") else None
     engine = SpeculativeEngine(target, drafter, max_batch_size=16, policy=policy)
     outputs = engine.generate([SAMPLING_PROMPT[0].tolist()] * SAMPLES, max_new_tokens=NEW_TOKENS, do_sample=True,
                               **settings)
