@@ -1,9 +1,15 @@
 """The runs that trained the shipped DFly drafter (and its DFlash baseline) for the reference target.
 
     python examples/train_dfly_reference.py dfly-code modeling-runs/dfly 450 100 400000
+    git worktree add /tmp/first f706b30      # the first shipped pair (450 steps each)
     python examples/train_dfly_reference.py dfly-code modeling-runs/dfly2 1100 100 600000 \\
-        --from modeling/SmolLM2-135M-Instruct-AngelSpec-DFly-Block8 --lr 5e-4 --code-seed 1 \\
+        --from /tmp/first/modeling/SmolLM2-135M-Instruct-AngelSpec-DFly-Block8 --lr 5e-4 --code-seed 1 \\
         --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache
+
+The first command trained the first shipped DFly drafter (over the full vocabulary; its 8192-token
+draft vocabulary was set afterwards with `angelspec-hf draft-vocab`); the second continued it
+into the shipped one (the LK checkpoint, `modeling-runs/dfly2/lk`; 88 minutes beside the DFlash
+run).
 
 Stage 1 (LK + D-PACE) runs on standard-library code framed as replies to the training split of
 the code prompts (``corpus_tokens`` of it, files in ``--code-seed`` order), the target's code and

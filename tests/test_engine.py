@@ -219,20 +219,17 @@ class _ClosedThenOpen:
         pass
 
 
-def test_unknown_domains_are_routed_to_the_drafter_that_pays(setup):
-    """A fitted drafter against a useless one and no drafter: requests settle on the fitted one.
-
-    The tiny target is made to cost what a real one does relative to drafting (a 100 ms sleep per
-    forward); with its natural microseconds, "no drafter" would rightly win. A request whose two
-    probe rounds with the fitted drafter were both rejected may rightly settle on no drafter.
-    """
+def _route_fitted_against_useless(setup, max_batch_size: int, policy=None) -> SpeculativeEngine:
+    """Five requests routed between a fitted drafter, a useless one and no drafter, with every
+    target forward made to cost 100 ms (what a real one costs relative to tiny drafters; with its
+    natural microseconds "no drafter" would rightly win). Checks every output; returns the engine."""
     import time
 
     target, drafters, prompts = setup
     torch.manual_seed(9)
     useless = DFlyDrafter.from_target(target, block_size=5).eval()
-    engine = SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless}, max_batch_size=4,
-                               probe_rounds=2)
+    engine = SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless},
+                               max_batch_size=max_batch_size, probe_rounds=2, policy=policy)
     handle = target.register_forward_pre_hook(lambda module, args: time.sleep(0.1))
     try:
         outputs = engine.generate(prompts[:5], max_new_tokens=30)
@@ -240,26 +237,20 @@ def test_unknown_domains_are_routed_to_the_drafter_that_pays(setup):
         handle.remove()
     for prompt, output in zip(prompts, outputs):
         assert output == plain(target, prompt, max_new_tokens=30, eos_token_id=None)
+    return engine
+
+
+def test_unknown_domains_are_routed_to_the_drafter_that_pays(setup):
+    """Requests settle on the fitted drafter. A request whose two probe rounds with the fitted
+    drafter were both rejected may rightly settle on no drafter."""
+    engine = _route_fitted_against_useless(setup, max_batch_size=4)
     chosen = [entry["drafter"] for entry in engine.stats]
     assert chosen.count("fitted") >= 3 and "useless" not in chosen, chosen
 
 
 def test_rounds_without_drafting_do_not_count_as_probes(setup):
     """While the policy keeps drafting off, every arm would look like "no drafter": the probes wait."""
-    import time
-
-    target, drafters, prompts = setup
-    torch.manual_seed(9)
-    useless = DFlyDrafter.from_target(target, block_size=5).eval()
-    engine = SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless}, max_batch_size=5,
-                               probe_rounds=2, policy=_ClosedThenOpen(closed=8))
-    handle = target.register_forward_pre_hook(lambda module, args: time.sleep(0.1))
-    try:
-        outputs = engine.generate(prompts[:5], max_new_tokens=30)
-    finally:
-        handle.remove()
-    for prompt, output in zip(prompts, outputs):
-        assert output == plain(target, prompt, max_new_tokens=30, eos_token_id=None)
+    engine = _route_fitted_against_useless(setup, max_batch_size=5, policy=_ClosedThenOpen(closed=8))
     chosen = [entry["drafter"] for entry in engine.stats]
     assert chosen.count("fitted") >= 3 and "useless" not in chosen, chosen
     # The fitted drafter's probes ran with drafting on: they gained more than one token a round.
