@@ -162,10 +162,7 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
         """
         if not self.config.uses_reduced_vocab:
             return self.logits(z, target_lm_head)
-        bias = getattr(target_lm_head, "bias", None)
-        return nn.functional.linear(self.final_norm(z).to(target_lm_head.weight.dtype),
-                                    target_lm_head.weight[self.draft_vocab],
-                                    None if bias is None else bias[self.draft_vocab])
+        return self.draft_head(target_lm_head).subset_logits(self.final_norm(z).to(target_lm_head.weight.dtype))
 
     def draft_head(self, target_lm_head: nn.Module):
         """The head drafting uses: the target's, or only its draft-vocabulary rows (gather once per call).

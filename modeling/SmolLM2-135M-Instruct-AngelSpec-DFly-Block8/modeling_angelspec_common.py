@@ -138,8 +138,12 @@ class VocabSubsetHead:
         self.bias = None if bias is None else bias.detach()[token_ids]
         self.token_ids, self.vocab_size = token_ids, vocab_size
 
+    def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the draft-vocabulary tokens only, in ``token_ids`` order."""
+        return F.linear(hidden, self.weight, self.bias)
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return expand_to_vocab(F.linear(hidden, self.weight, self.bias), self.token_ids, self.vocab_size)
+        return expand_to_vocab(self.subset_logits(hidden), self.token_ids, self.vocab_size)
 
 
 def embedding_fingerprint(weight: torch.Tensor) -> list[float]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+
+from ..modeling_angelspec_common import VocabSubsetHead
 
 CHUNK_ROWS = 1024
 
@@ -108,4 +109,5 @@ def vocabulary_logits(drafter, lm_head, draft_hidden: torch.Tensor, target_hidde
     draft = drafter.vocab_logits(draft_hidden, lm_head).float()
     if not drafter.config.uses_reduced_vocab:
         return draft, lm_head(target_hidden).float()
-    return draft, F.linear(target_hidden, lm_head.weight[drafter.draft_token_ids()]).float()
+    rows = VocabSubsetHead(lm_head, drafter.draft_token_ids(), drafter.config.vocab_size)
+    return draft, rows.subset_logits(target_hidden).float()
