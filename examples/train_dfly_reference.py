@@ -19,7 +19,7 @@ the other core) and mixes in half as many code chunks. `dflash-code` with the sa
 ``--from`` the DFlash drafter) gives the DFlash baseline. ``--from DIR`` continues a trained
 drafter: one with a draft vocabulary then trains over that vocabulary only, which makes a step
 about 4x cheaper on this CPU (the loss's passes over 49k logits were 70% of it). ``--lr`` sets the
-LK learning rate (TV: a third), ``--cache DIR`` keeps the target's states per row on disk. One
+LK learning rate (TV: a third), ``--seed`` the order of rows and anchors, ``--cache DIR`` keeps the target's states per row on disk. One
 torch thread, so that a second run can use the other core.
 """
 
@@ -51,7 +51,8 @@ rollout_dir = Path("data/rollouts/SmolLM2-135M-Instruct")
 rollouts = rollout_sequences(sorted(rollout_dir.glob("*.jsonl")), seq_len=448)
 print("stage 1 data:", len(corpus), "code chunks,", len(math_rows), "math corpus rows,", len(rollouts), "rollouts", flush=True)
 recipe = Recipe(name=name, lk_steps=lk_steps, tv_steps=0, batch_size=4, num_anchors=24, logging_steps=10,
-                learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"))
+                learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"),
+                seed=int(option("--seed", 0)))
 drafter = AutoModel.from_pretrained(option("--from")).float().train() if option("--from") else None
 drafter = train_drafter(target, corpus + math_rows + rollouts * 2, out, recipe, pad_token_id=tokenizer.eos_token_id,
                         drafter=drafter)

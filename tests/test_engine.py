@@ -255,3 +255,37 @@ def test_rounds_without_drafting_do_not_count_as_probes(setup):
     assert chosen.count("fitted") >= 3 and "useless" not in chosen, chosen
     # The fitted drafter's probes ran with drafting on: they gained more than one token a round.
     assert sum(entry["probes"]["fitted"][0] for entry in engine.stats) > 2 * len(engine.stats)
+
+
+def test_a_candidate_drafter_ingests_only_when_its_arm_drafts(setup):
+    """A drafter that loses the probes never reads the rounds the other arms ran: exactly one
+    ingest per probe round of its own (before, every candidate ingested every round until the
+    request settled, which made routing cost more than the drafters it chose between)."""
+    target, drafters, prompts = setup
+    torch.manual_seed(9)
+    useless = DFlyDrafter.from_target(target, block_size=5).eval()
+    engine = SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless}, max_batch_size=4,
+                               probe_rounds=2)
+    ingests: dict[tuple[int, str], int] = {}
+    new_generator = engine._new_generator
+
+    def counted(row, drafter):
+        generator = new_generator(row, drafter)
+        arm = next(name for name, model in engine.drafters.items() if model is drafter)
+        observe = generator.observe_outputs
+
+        def observe_counted(*args, **kwargs):
+            ingests[row.index, arm] = ingests.get((row.index, arm), 0) + 1
+            return observe(*args, **kwargs)
+
+        generator.observe_outputs = observe_counted
+        return generator
+
+    engine._new_generator = counted
+    outputs = engine.generate(prompts[:5], max_new_tokens=30)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=30, eos_token_id=None)
+    for entry in engine.stats:
+        for arm in ("fitted", "useless"):
+            if arm != entry["drafter"]:
+                assert ingests.get((entry["index"], arm), 0) == 2, (entry, ingests)

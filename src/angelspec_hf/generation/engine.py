@@ -10,8 +10,10 @@ prefilled separately and its cache merged in) and leave when they finish.
 With several drafters (``{name: drafter}``) each request uses the one named by its declared
 domain; a request without a known domain is routed online: its first rounds try every drafter
 and "no drafter" in turn, each arm is scored by tokens gained per second of its own drafting
-plus its share of the verify forward, and the request keeps the best arm. Every candidate
-drafter ingests the request's context while it is being tried, so switching is free.
+plus its share of the verify forward, and the request keeps the best arm. A candidate drafter
+ingests the request's context only when its arm drafts (it catches up on what it missed then),
+so drafters that lose the probes cost nothing, however long the probes stretch while the batch
+policy keeps drafting off; a probe is charged only its own round's share of a catch-up.
 
 Drafting reuses the drafters' own candidate generators, one per row, fed with that row's slice
 of the verify forward's hidden states. Greedy: each row's output is what plain greedy decoding of
@@ -58,9 +60,9 @@ class _Row:
     arm: str = NO_DRAFTER
     schedule: list[str] = field(default_factory=list)  # arms still to probe, in order
     arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds]
-    # Hidden states of the row's committed positions its drafters have not ingested yet, one
-    # entry per forward; ingestion waits while the batch policy has drafting switched off.
-    pending: list = field(default_factory=list)
+    # arm -> hidden states of the row's committed positions that arm's drafter has not ingested
+    # yet, one entry per forward; a drafter ingests only when its arm drafts.
+    pending: dict = field(default_factory=dict)
     draft_logits: torch.Tensor | None = None  # processed draft logits of the current round (sampling)
     draft_seconds: float = 0.0
     accepted: list[int] = field(default_factory=list)
@@ -274,13 +276,22 @@ class SpeculativeEngine:
         return tuple(h[row : row + 1, :committed] if h is not None else None for h in out.hidden_states)
 
     @staticmethod
-    def _take_pending(row: _Row) -> SimpleNamespace:
-        """Every not yet ingested position of a row, as one forward's outputs."""
-        pending, row.pending = row.pending, []
-        if len(pending) == 1:
-            return SimpleNamespace(hidden_states=pending[0])
-        layers = zip(*pending)
-        return SimpleNamespace(hidden_states=tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in layers))
+    def _queue_outputs(row: _Row, outputs) -> None:
+        """Hold one forward's committed states of a row for each of its candidate drafters."""
+        for arm in row.generators:
+            row.pending.setdefault(arm, []).append(outputs)
+
+    @staticmethod
+    def _take_pending(row: _Row) -> tuple[SimpleNamespace, float]:
+        """Every position the current arm's drafter has not ingested, as one forward's outputs, and
+        the share of them the latest forward committed (the rest is catch-up)."""
+        pending = row.pending.pop(row.arm, [])
+        if len(pending) <= 1:
+            return SimpleNamespace(hidden_states=pending[0] if pending else None), 1.0
+        layers = list(zip(*pending))
+        lengths = [part.shape[1] for part in next(parts for parts in layers if parts[0] is not None)]
+        merged = tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in layers)
+        return SimpleNamespace(hidden_states=merged), lengths[-1] / sum(lengths)
 
     def _join(self, rows, cache, valid, joining, eos):
         """Prefill the joining prompts in their own cache, take their first token, merge the caches."""
@@ -297,7 +308,7 @@ class SpeculativeEngine:
         for i, row in enumerate(joining):
             row.tokens.append(self._choose(row.tokens, out.logits[i, row.prompt_length - 1]))
             self._assign_drafters(row)
-            row.pending.append(self._row_outputs(out, i, row.prompt_length))
+            self._queue_outputs(row, self._row_outputs(out, i, row.prompt_length))
             self._capture(row, out, i, row.prompt_length)
         new_valid = mask.bool()
         if cache is None:
@@ -372,6 +383,7 @@ class SpeculativeEngine:
             return
         row.arm = max(row.arm_scores, key=lambda arm: row.arm_scores[arm][0] / max(row.arm_scores[arm][1], 1e-9))
         row.generators = {row.arm: row.generators[row.arm]} if row.arm in row.generators else {}
+        row.pending = {arm: states for arm, states in row.pending.items() if arm in row.generators}
 
     def _step(self, rows, cache, valid, eos):
         """One verify forward for every active row: draft, verify, accept, mask the rejected slots."""
@@ -386,20 +398,18 @@ class SpeculativeEngine:
         drafts = []
         for row, is_active in zip(rows, active):
             row.draft_seconds = 0.0
-            if not (is_active and row.generators and drafting):
+            if not (is_active and row.generator is not None and drafting):
                 drafts.append([])
                 continue
             ids = torch.tensor([row.tokens], device=self.target.device)
             start = time.perf_counter()
-            outputs = self._take_pending(row)
-            for generator in row.generators.values():
-                generator.observe_outputs(ids, outputs)
-            if row.generator is None:
-                drafts.append([])
-            else:
-                candidates, row.draft_logits = row.generator.propose(ids)
-                drafts.append(candidates[0, len(row.tokens):].tolist())
-            row.draft_seconds = time.perf_counter() - start
+            outputs, latest_share = self._take_pending(row)
+            row.generator.observe_outputs(ids, outputs)
+            ingested = time.perf_counter()
+            candidates, row.draft_logits = row.generator.propose(ids)
+            drafts.append(candidates[0, len(row.tokens):].tolist())
+            # A catch-up on states missed while other arms or no drafting ran is paid once, not per round.
+            row.draft_seconds = (time.perf_counter() - ingested) + (ingested - start) * latest_share
         batch, context = sum(active), valid.shape[1]
         width = 1 + max(len(d) for d in drafts)
         if policy is not None and width > 1:
@@ -447,7 +457,7 @@ class SpeculativeEngine:
                 row.accepted.append(len(new) - 1)
                 if row.generator is not None:
                     row.generator.update_candidate_strategy(None, None, len(new) - 1)
-                row.pending.append(self._row_outputs(out, i, len(new)))
+                self._queue_outputs(row, self._row_outputs(out, i, len(new)))
                 if not gated:
                     self._score(row, len(new), row.draft_seconds + verify_share)
         if policy is not None and drafting:
