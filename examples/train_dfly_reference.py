@@ -5,8 +5,8 @@
     python examples/train_dfly_reference.py dfly-code modeling-runs/dfly2 1100 100 600000 \\
         --from /tmp/first/modeling/SmolLM2-135M-Instruct-AngelSpec-DFly-Block8 --lr 5e-4 --code-seed 1 \\
         --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache
-    python examples/train_dfly_reference.py dfly-code modeling-runs/dfly3 1500 0 600000 \
-        --from modeling-runs/dfly2/lk --lr 5e-4 --code-seed 1 --seed 2 \
+    python examples/train_dfly_reference.py dfly-code modeling-runs/dfly3 1500 0 600000 \\
+        --from modeling-runs/dfly2/lk --lr 5e-4 --code-seed 1 --seed 2 \\
         --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache
 
 The first command trained the first shipped DFly drafter (over the full vocabulary; its 8192-token
@@ -23,8 +23,8 @@ the other core) and mixes in half as many code chunks. `dflash-code` with the sa
 ``--from`` the DFlash drafter) gives the DFlash baseline. ``--from DIR`` continues a trained
 drafter: one with a draft vocabulary then trains over that vocabulary only, which makes a step
 about 4x cheaper on this CPU (the loss's passes over 49k logits were 70% of it). ``--lr`` sets the
-LK learning rate (TV: a third), ``--seed`` the order of rows and anchors, ``--cache DIR`` keeps the target's states per row on disk. One
-torch thread, so that a second run can use the other core.
+LK learning rate (TV: a third), ``--seed`` the order of rows and anchors, ``--cache DIR`` keeps the
+target's states per row on disk. One torch thread, so that a second run can use the other core.
 """
 
 import sys

@@ -14,8 +14,8 @@ than the chat rollouts alone hold. Draft vocabulary: the 8192 most frequent resp
 `mtp-chat-nottt` with the same arguments gives the teacher-forcing ablation, `mtp-chat-deepseek`
 AngelSpec's MTPDraftModel layer. Options: `--from DIR` continues a trained drafter, `--corpus DIR`
 adds `angelspec-hf corpus` rows to the LK stage (the TV stage stays on rollouts), `--lr` sets the
-LK learning rate (TV: a third of it), `--cache DIR` keeps the target's states per row on disk, `--seed N` sets the order of rows.
-`--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. The TV stage re-reads
+LK learning rate (TV: a third of it), `--cache DIR` keeps the target's states per row on disk,
+`--seed N` sets the order of rows. `--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. The TV stage re-reads
 the rollouts when it starts, so rollouts generated during the LK stage (for example by
 `angelspec-hf rollouts --magpie` on the other core) join it. One torch thread, so that a second
 run or a benchmark can use the other core.

@@ -219,38 +219,46 @@ class _ClosedThenOpen:
         pass
 
 
-def _route_fitted_against_useless(setup, max_batch_size: int, policy=None) -> SpeculativeEngine:
-    """Five requests routed between a fitted drafter, a useless one and no drafter, with every
-    target forward made to cost 100 ms (what a real one costs relative to tiny drafters; with its
-    natural microseconds "no drafter" would rightly win). Checks every output; returns the engine."""
-    import time
-
-    target, drafters, prompts = setup
+def _fitted_against_useless(setup, max_batch_size: int, policy=None) -> SpeculativeEngine:
+    """An engine routing between a fitted drafter, a useless one and no drafter."""
+    target, drafters, _ = setup
     torch.manual_seed(9)
     useless = DFlyDrafter.from_target(target, block_size=5).eval()
-    engine = SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless},
-                               max_batch_size=max_batch_size, probe_rounds=2, policy=policy)
-    handle = target.register_forward_pre_hook(lambda module, args: time.sleep(0.1))
+    return SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless},
+                             max_batch_size=max_batch_size, probe_rounds=2, policy=policy)
+
+
+def _serve_five_checked(setup, engine: SpeculativeEngine, forward_seconds: float = 0.0) -> None:
+    """Five requests through ``engine``, each output checked against plain greedy decoding.
+
+    ``forward_seconds`` makes every target forward cost that much (what a real one costs relative
+    to tiny drafters; with its natural microseconds "no drafter" would rightly win the routing)."""
+    import time
+
+    target, _, prompts = setup
+    handle = target.register_forward_pre_hook(lambda module, args: time.sleep(forward_seconds)) if forward_seconds else None
     try:
         outputs = engine.generate(prompts[:5], max_new_tokens=30)
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
     for prompt, output in zip(prompts, outputs):
         assert output == plain(target, prompt, max_new_tokens=30, eos_token_id=None)
-    return engine
 
 
 def test_unknown_domains_are_routed_to_the_drafter_that_pays(setup):
     """Requests settle on the fitted drafter. A request whose two probe rounds with the fitted
     drafter were both rejected may rightly settle on no drafter."""
-    engine = _route_fitted_against_useless(setup, max_batch_size=4)
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    _serve_five_checked(setup, engine, forward_seconds=0.1)
     chosen = [entry["drafter"] for entry in engine.stats]
     assert chosen.count("fitted") >= 3 and "useless" not in chosen, chosen
 
 
 def test_rounds_without_drafting_do_not_count_as_probes(setup):
     """While the policy keeps drafting off, every arm would look like "no drafter": the probes wait."""
-    engine = _route_fitted_against_useless(setup, max_batch_size=5, policy=_ClosedThenOpen(closed=8))
+    engine = _fitted_against_useless(setup, max_batch_size=5, policy=_ClosedThenOpen(closed=8))
+    _serve_five_checked(setup, engine, forward_seconds=0.1)
     chosen = [entry["drafter"] for entry in engine.stats]
     assert chosen.count("fitted") >= 3 and "useless" not in chosen, chosen
     # The fitted drafter's probes ran with drafting on: they gained more than one token a round.
@@ -261,11 +269,7 @@ def test_a_candidate_drafter_ingests_only_when_its_arm_drafts(setup):
     """A drafter that loses the probes never reads the rounds the other arms ran: exactly one
     ingest per probe round of its own (before, every candidate ingested every round until the
     request settled, which made routing cost more than the drafters it chose between)."""
-    target, drafters, prompts = setup
-    torch.manual_seed(9)
-    useless = DFlyDrafter.from_target(target, block_size=5).eval()
-    engine = SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless}, max_batch_size=4,
-                               probe_rounds=2)
+    engine = _fitted_against_useless(setup, max_batch_size=4)
     ingests: dict[tuple[int, str], int] = {}
     new_generator = engine._new_generator
 
@@ -282,9 +286,7 @@ def test_a_candidate_drafter_ingests_only_when_its_arm_drafts(setup):
         return generator
 
     engine._new_generator = counted
-    outputs = engine.generate(prompts[:5], max_new_tokens=30)
-    for prompt, output in zip(prompts, outputs):
-        assert output == plain(target, prompt, max_new_tokens=30, eos_token_id=None)
+    _serve_five_checked(setup, engine)
     for entry in engine.stats:
         for arm in ("fitted", "useless"):
             if arm != entry["drafter"]:
