@@ -291,3 +291,21 @@ def test_a_candidate_drafter_ingests_only_when_its_arm_drafts(setup):
         for arm in ("fitted", "useless"):
             if arm != entry["drafter"]:
                 assert ingests.get((entry["index"], arm), 0) == 2, (entry, ingests)
+
+
+def test_a_routed_backlog_holds_only_its_own_rows_states(setup):
+    """Each queued state owns its storage: a view into the verify forward's batch would keep the
+    states of every row of that forward alive for as long as the backlog waits."""
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    queue = engine._queue_outputs
+    queued = []
+
+    def checked(row, outputs):
+        queued.extend(h for h in outputs if h is not None)
+        return queue(row, outputs)
+
+    engine._queue_outputs = checked
+    _serve_five_checked(setup, engine)
+    assert queued
+    for states in queued:
+        assert states.untyped_storage().nbytes() == states.numel() * states.element_size(), states.shape

@@ -270,10 +270,13 @@ class SpeculativeEngine:
         return torch.cat(features, dim=1), torch.cat(final, dim=0)
 
     def _row_outputs(self, out, row: int, committed: int):
-        """The hidden states of one row's ``committed`` leading window positions."""
+        """The hidden states of one row's ``committed`` leading window positions, in tensors of their own.
+
+        Copied rather than sliced: a routed request's backlog can wait many rounds for its arm to
+        draft, and a view would keep every verify forward's whole-batch states alive that long."""
         if not self.layer_ids:
             return None
-        return tuple(h[row : row + 1, :committed] if h is not None else None for h in out.hidden_states)
+        return tuple(h[row : row + 1, :committed].clone() if h is not None else None for h in out.hidden_states)
 
     @staticmethod
     def _queue_outputs(row: _Row, outputs) -> None:
