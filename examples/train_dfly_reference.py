@@ -24,7 +24,8 @@ the other core) and mixes in half as many code chunks. `dflash-code` with the sa
 drafter: one with a draft vocabulary then trains over that vocabulary only, which makes a step
 about 4x cheaper on this CPU (the loss's passes over 49k logits were 70% of it). ``--lr`` sets the
 LK learning rate (TV: a third), ``--seed`` the order of rows and anchors, ``--cache DIR`` keeps the
-target's states per row on disk. One torch thread, so that a second run can use the other core.
+target's states per row on disk. ``--bf16`` trains in mixed precision (the drafter's matmuls in
+bfloat16; soft labels and weights float32), 1.6x (DFly) to 1.9x (MTP) faster steps on this AMX CPU. One torch thread, so that a second run can use the other core.
 """
 
 import sys
@@ -56,7 +57,7 @@ rollouts = rollout_sequences(sorted(rollout_dir.glob("*.jsonl")), seq_len=448)
 print("stage 1 data:", len(corpus), "code chunks,", len(math_rows), "math corpus rows,", len(rollouts), "rollouts", flush=True)
 recipe = Recipe(name=name, lk_steps=lk_steps, tv_steps=0, batch_size=4, num_anchors=24, logging_steps=10,
                 learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"),
-                seed=int(option("--seed", 0)))
+                seed=int(option("--seed", 0)), bf16="--bf16" in sys.argv)
 drafter = AutoModel.from_pretrained(option("--from")).float().train() if option("--from") else None
 drafter = train_drafter(target, corpus + math_rows + rollouts * 2, out, recipe, pad_token_id=tokenizer.eos_token_id,
                         drafter=drafter)

@@ -15,7 +15,8 @@ than the chat rollouts alone hold. Draft vocabulary: the 8192 most frequent resp
 AngelSpec's MTPDraftModel layer. Options: `--from DIR` continues a trained drafter, `--corpus DIR`
 adds `angelspec-hf corpus` rows to the LK stage (the TV stage stays on rollouts), `--lr` sets the
 LK learning rate (TV: a third of it), `--cache DIR` keeps the target's states per row on disk,
-`--seed N` sets the order of rows. `--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. The TV stage re-reads
+`--seed N` sets the order of rows. `--bf16` trains in mixed precision (the drafter's matmuls in bfloat16; soft labels
+and weights float32), 1.6x (DFly) to 1.9x (MTP) faster steps on this AMX CPU. `--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. The TV stage re-reads
 the rollouts when it starts, so rollouts generated during the LK stage (for example by
 `angelspec-hf rollouts --magpie` on the other core) join it. One torch thread, so that a second
 run or a benchmark can use the other core.
@@ -56,7 +57,7 @@ corpus = rollout_sequences(sorted(Path(option("--corpus")).glob("*.jsonl")), seq
 print("corpus rows:", len(corpus), flush=True)
 recipe = Recipe(name=name, num_draft_tokens=3, draft_vocab_size=8192, lk_steps=lk_steps, tv_steps=0,
                 batch_size=4, logging_steps=10, learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"),
-                seed=int(option("--seed", 0)))
+                seed=int(option("--seed", 0)), bf16="--bf16" in sys.argv)
 drafter = AutoModel.from_pretrained(option("--from")).float().train() if option("--from") else None
 resume = "--resume" in sys.argv
 drafter = train_drafter(target, rollouts + corpus, out, recipe, pad_token_id=tokenizer.eos_token_id, resume=resume,

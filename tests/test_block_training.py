@@ -126,3 +126,31 @@ def test_two_stage_training_improves_the_drafter_and_saves_it(targets, tmp_path)
         taus[name] = new_tokens / rounds
     assert taus["trained"] > taus["untrained"] + 0.3, taus
     assert drafter.config.variant == "dfly"
+
+
+def test_mixed_precision_autocasts_the_drafter_but_not_the_target(targets, tmp_path):
+    """``Recipe(bf16=True)``: the drafter's forward runs under bfloat16 autocast, the target's states
+    and soft labels do not (they must be what inference sees), and the drafter still learns."""
+    target = targets.target("llama")
+    sequences = targets.sequences("llama")
+    rows = [{"input_ids": row.tolist(), "loss_start": PROMPT_LENGTH} for row in sequences]
+    # Over the full vocabulary the target's lm_head gives the drafter's logits (autocast) and the soft labels.
+    seen = {"drafter": set(), "target": set(), "lm_head": set()}
+    lm_head = target.get_output_embeddings()
+    drafter = DFlyDrafter.from_target(target, block_size=4, num_hidden_layers=1)
+    hooks = [drafter.register_forward_hook(lambda *args: seen["drafter"].add(torch.is_autocast_enabled("cpu"))),
+             target.model.register_forward_hook(lambda *args: seen["target"].add(torch.is_autocast_enabled("cpu"))),
+             lm_head.register_forward_hook(lambda module, args, out: seen["lm_head"].add(out.dtype))]
+    try:
+        recipe = Recipe(name="dfly-code", block_size=4, num_hidden_layers=1, lk_steps=30, tv_steps=0, batch_size=6,
+                        num_anchors=6, learning_rate=3e-3, logging_steps=5, bf16=True)
+        trained = train_drafter(target, rows, tmp_path, recipe, pad_token_id=0, drafter=drafter)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen == {"drafter": {True}, "target": {False}, "lm_head": {torch.bfloat16, torch.float32}}, seen
+    assert trained.dtype == torch.float32
+    history = [entry["loss"] for entry in json.loads(
+        next((tmp_path / "checkpoints-lk").glob("checkpoint-*/trainer_state.json")).read_text())["log_history"]
+        if "loss" in entry]
+    assert history[-1] < 0.8 * history[0], history

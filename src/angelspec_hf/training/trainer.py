@@ -67,19 +67,25 @@ class DrafterTrainer(Trainer):
             features, final = self.feature_cache.states(self.target, input_ids, inputs["attention_mask"],
                                                         inputs["lengths"], self.target.dtype)
         embed, lm_head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
-        if hasattr(model.config, "block_size"):
-            anchors = sample_anchors(inputs["loss_start"], inputs["lengths"], model.config.block_size,
-                                     self.num_anchors, self._anchor_generator)
-            result = block_loss(model, features, input_ids, final, embed, lm_head, anchors,
-                                objective=self.objective, eta=self.eta)
-        else:
-            result = chain_loss(model, features, input_ids, final, embed, lm_head,
-                                inputs["loss_start"], inputs["lengths"], ttt=self.ttt, objective=self.objective,
-                                eta=self.eta)
+        # Autocast here rather than relying on accelerate's wrapped forward: the loss also calls the
+        # drafter's correction head and logits outside its forward (the target side opts out).
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.args.bf16):
+            result = self._drafter_loss(model, inputs, features, final, embed, lm_head)
         for key, value in result.metrics().items():
             self._metric_sums[key] += value
         self._metric_count += 1
         return (result.loss, result) if return_outputs else result.loss
+
+    def _drafter_loss(self, model, inputs, features, final, embed, lm_head):
+        input_ids = inputs["input_ids"]
+        if hasattr(model.config, "block_size"):
+            anchors = sample_anchors(inputs["loss_start"], inputs["lengths"], model.config.block_size,
+                                     self.num_anchors, self._anchor_generator)
+            return block_loss(model, features, input_ids, final, embed, lm_head, anchors,
+                              objective=self.objective, eta=self.eta)
+        return chain_loss(model, features, input_ids, final, embed, lm_head,
+                          inputs["loss_start"], inputs["lengths"], ttt=self.ttt, objective=self.objective,
+                          eta=self.eta)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._metric_count:
