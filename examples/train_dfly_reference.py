@@ -8,12 +8,16 @@
     python examples/train_dfly_reference.py dfly-code modeling-runs/dfly3 1500 0 600000 \\
         --from modeling-runs/dfly2/lk --lr 5e-4 --code-seed 1 --seed 2 \\
         --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache
+    python examples/train_dfly_reference.py dfly-code modeling-runs/dfly4 3000 0 600000 \\
+        --from modeling-runs/dfly3/lk --lr 5e-4 --code-seed 1 --seed 3 \\
+        --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache
 
 The first command trained the first shipped DFly drafter (over the full vocabulary; its 8192-token
 draft vocabulary was set afterwards with `angelspec-hf draft-vocab`); the second continued it
 (its LK checkpoint `modeling-runs/dfly2/lk`; 88 minutes beside the DFlash run; the 100 TV steps
-after it were worse); the third continued that on the same data in a new row order into the
-shipped one (`modeling-runs/dfly3/lk`, 72 minutes beside the DFlash run).
+after it were worse); the third continued that on the same data in a new row order
+(`modeling-runs/dfly3/lk`, 72 minutes beside the DFlash run), the fourth did so again into the
+shipped one (`modeling-runs/dfly4/lk`, 75 minutes beside the DFlash run).
 
 Stage 1 (LK + D-PACE) runs on standard-library code framed as replies to the training split of
 the code prompts (``corpus_tokens`` of it, files in ``--code-seed`` order), the target's code and
