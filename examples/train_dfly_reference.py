@@ -29,7 +29,8 @@ drafter: one with a draft vocabulary then trains over that vocabulary only, whic
 about 4x cheaper on this CPU (the loss's passes over 49k logits were 70% of it). ``--lr`` sets the
 LK learning rate (TV: a third), ``--seed`` the order of rows and anchors, ``--cache DIR`` keeps the
 target's states per row on disk. ``--bf16`` trains in mixed precision (the drafter's matmuls in
-bfloat16; soft labels and weights float32), 1.6x (DFly) to 1.9x (MTP) faster steps on this AMX CPU. One torch thread, so that a second run can use the other core.
+bfloat16; soft labels and weights float32), 1.4x (DFly) to 1.6x (MTP) faster steps on this AMX CPU.
+One torch thread, so that a second run can use the other core.
 """
 
 import sys

@@ -16,7 +16,8 @@ AngelSpec's MTPDraftModel layer. Options: `--from DIR` continues a trained draft
 adds `angelspec-hf corpus` rows to the LK stage (the TV stage stays on rollouts), `--lr` sets the
 LK learning rate (TV: a third of it), `--cache DIR` keeps the target's states per row on disk,
 `--seed N` sets the order of rows. `--bf16` trains in mixed precision (the drafter's matmuls in bfloat16; soft labels
-and weights float32), 1.6x (DFly) to 1.9x (MTP) faster steps on this AMX CPU. `--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. The TV stage re-reads
+and weights float32), 1.4x (DFly) to 1.6x (MTP) faster steps on this AMX CPU.
+`--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. The TV stage re-reads
 the rollouts when it starts, so rollouts generated during the LK stage (for example by
 `angelspec-hf rollouts --magpie` on the other core) join it. One torch thread, so that a second
 run or a benchmark can use the other core.

@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--resume", action="store_true", help="continue from the last Trainer checkpoint")
     train.add_argument("--bf16", action="store_true",
-                       help="mixed precision: the drafter's matmuls in bfloat16 (GPUs, and CPUs with AMX: 1.6x faster "
+                       help="mixed precision: the drafter's matmuls in bfloat16 (GPUs, and CPUs with AMX: 1.4-1.6x faster "
                             "steps measured); weights, losses and the target's soft labels stay float32")
     train.add_argument("--feature-cache", default=None,
                        help="directory that keeps the target's states per training row, so each row runs through "
