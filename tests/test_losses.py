@@ -63,7 +63,7 @@ def test_chunking_does_not_change_results(monkeypatch):
     monkeypatch.setattr(losses, "CHUNK_ROWS", 4)
     chunked = results()
     for a, b in zip(full, chunked):
-        assert a.shape[:2] == (3, 5)
+        assert a.shape == ((3, 5, 40) if a is full[-1] else (3, 5))
         torch.testing.assert_close(a, b)
 
 

@@ -37,6 +37,10 @@ def _kl(log_p: torch.Tensor, log_q: torch.Tensor, p: torch.Tensor) -> torch.Tens
     return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
 
 
+def _tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (p - q).abs().sum(-1)
+
+
 def forward_kl(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
     """KL(p || q) per position."""
 
@@ -51,7 +55,7 @@ def total_variation(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> 
     """TV(p, q) = 1/2 sum |p - q| per position."""
 
     def chunk(p_logits, q_logits):
-        return 0.5 * (torch.softmax(p_logits.float(), -1) - torch.softmax(q_logits.float(), -1)).abs().sum(-1)
+        return _tv(torch.softmax(p_logits.float(), -1), torch.softmax(q_logits.float(), -1))
 
     return _rowwise(chunk, target_logits, draft_logits)
 
@@ -63,7 +67,7 @@ def _kl_and_tv(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> tuple
     def chunk(p_logits, q_logits):
         log_p, log_q = _log_probabilities(p_logits, q_logits)
         p, q = log_p.exp(), log_q.exp()
-        return torch.stack([_kl(log_p, log_q, p), 0.5 * (p - q).abs().sum(-1)], dim=-1)
+        return torch.stack([_kl(log_p, log_q, p), _tv(p, q)], dim=-1)
 
     return _rowwise(chunk, target_logits, draft_logits, width=2).unbind(-1)
 
