@@ -154,3 +154,22 @@ def test_mixed_precision_autocasts_the_drafter_but_not_the_target(targets, tmp_p
         next((tmp_path / "checkpoints-lk").glob("checkpoint-*/trainer_state.json")).read_text())["log_history"]
         if "loss" in entry]
     assert history[-1] < 0.8 * history[0], history
+
+
+def test_train_command_passes_bf16_to_the_recipe(monkeypatch, tmp_path):
+    """`angelspec-hf train --bf16` reaches the recipe; without the flag training stays float32."""
+    from types import SimpleNamespace
+
+    from angelspec_hf import cli
+    from angelspec_hf.training import recipes
+
+    recipes_seen = []
+    monkeypatch.setattr(cli, "load_target", lambda name: (object(), SimpleNamespace(eos_token_id=0)))
+    monkeypatch.setattr(recipes, "train_drafter", lambda target, rows, output, recipe, **kwargs: recipes_seen.append(recipe))
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text(json.dumps({"prompt_ids": list(range(3, 9)), "response_ids": list(range(9, 60))}) + "\n")
+    for flags in (["--bf16"], []):
+        args = cli.build_parser().parse_args(["train", "--data", str(rollouts), "--corpus-tokens", "0",
+                                              "--eval-per-set", "0", "--output", str(tmp_path / "out"), *flags])
+        assert args.handler(args) == 0
+    assert [recipe.bf16 for recipe in recipes_seen] == [True, False]
