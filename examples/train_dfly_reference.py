@@ -28,7 +28,9 @@ the other core) and mixes in half as many code chunks. `dflash-code` with the sa
 drafter: one with a draft vocabulary then trains over that vocabulary only, which makes a step
 about 4x cheaper on this CPU (the loss's passes over 49k logits were 70% of it). ``--lr`` sets the
 LK learning rate (TV: a third), ``--seed`` the order of rows and anchors, ``--cache DIR`` keeps the
-target's states per row on disk. ``--bf16`` trains in mixed precision (the drafter's matmuls in
+target's states per row on disk, ``--rollouts DIR`` (repeatable) reads the rollouts of these folders
+instead of ``data/rollouts/SmolLM2-135M-Instruct`` (for example with the code and math Magpie rollouts
+as well, see data/README.md). ``--bf16`` trains in mixed precision (the drafter's matmuls in
 bfloat16; soft labels and weights float32), 1.4x (DFly) to 1.6x (MTP) faster steps on this AMX CPU.
 One torch thread, so that a second run can use the other core.
 """
@@ -51,14 +53,25 @@ def option(flag: str, default=None):
     return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
 
 
+def options(flag: str) -> list[str]:
+    """Every value given with a repeatable flag."""
+    return [sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == flag]
+
+
 torch.set_num_threads(1)
 name, out, lk_steps, tv_steps, corpus_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 target, tokenizer = load_reference_target()
 start = time.time()
 corpus = framed_code_sequences(tokenizer, seq_len=320, max_tokens=corpus_tokens, seed=int(option("--code-seed", 0)))
 math_rows = rollout_sequences([Path(option("--corpus")) / "math-corpus.jsonl"], seq_len=448) if option("--corpus") else []
-rollout_dir = Path("data/rollouts/SmolLM2-135M-Instruct")
-rollouts = rollout_sequences(sorted(rollout_dir.glob("*.jsonl")), seq_len=448)
+rollout_dirs = [Path(d) for d in options("--rollouts")] or [Path("data/rollouts/SmolLM2-135M-Instruct")]
+
+
+def read_rollouts() -> list[dict]:
+    return rollout_sequences(sorted(f for d in rollout_dirs for f in d.glob("*.jsonl")), seq_len=448)
+
+
+rollouts = read_rollouts()
 print("stage 1 data:", len(corpus), "code chunks,", len(math_rows), "math corpus rows,", len(rollouts), "rollouts", flush=True)
 recipe = Recipe(name=name, lk_steps=lk_steps, tv_steps=0, batch_size=4, num_anchors=24, logging_steps=10,
                 learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"),
@@ -66,7 +79,7 @@ recipe = Recipe(name=name, lk_steps=lk_steps, tv_steps=0, batch_size=4, num_anch
 drafter = AutoModel.from_pretrained(option("--from")).float().train() if option("--from") else None
 drafter = train_drafter(target, corpus + math_rows + rollouts * 2, out, recipe, pad_token_id=tokenizer.eos_token_id,
                         drafter=drafter)
-rollouts = rollout_sequences(sorted(rollout_dir.glob("*.jsonl")), seq_len=448)
+rollouts = read_rollouts()
 print("stage 2 data:", len(rollouts), "rollouts", flush=True)
 recipe.lk_steps, recipe.tv_steps = 0, tv_steps
 train_drafter(target, rollouts + corpus[: len(rollouts) // 2], out, recipe, pad_token_id=tokenizer.eos_token_id,

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from angelspec_hf.prompts import domain_prompts, load_prompts
@@ -129,3 +130,52 @@ def test_the_rollouts_command_grows_magpie_prompts_and_caches_states_for_each_re
         for path in out.glob("*.jsonl"):
             for line in path.open():
                 assert cache.load(torch.tensor(record_row(json.loads(line), 448)["input_ids"])) is not None
+
+
+def test_the_rollouts_command_decodes_in_the_dtype_asked_and_refuses_a_cache_training_would_never_read(
+        targets, tmp_path, monkeypatch):
+    from angelspec_hf import cli
+
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    asked = []
+
+    def load(name, dtype="float32"):
+        asked.append(dtype)
+        return target.to(getattr(torch, dtype)), tokenizer
+
+    monkeypatch.setattr(cli, "load_target", load)
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{9 + i} w{40 + i}"}) + "\n" for i in range(8)))
+    out = tmp_path / "rollouts"
+    command = ["rollouts", "--prompts", str(prompts), "--output-dir", str(out), "--max-new-tokens", "6", "--batch-size", "4"]
+    try:
+        assert cli.main(command + ["--dtype", "bfloat16"]) == 0
+    finally:
+        target.float()
+    assert asked == ["bfloat16"]
+    rows = [json.loads(line) for line in (out / "mine-train.jsonl").open()]
+    assert len(rows) == 6 and all(row["response_ids"] for row in rows)
+    with pytest.raises(SystemExit, match="--feature-cache"):
+        cli.main(command + ["--dtype", "bfloat16", "--feature-cache", str(tmp_path / "cache")])
+    assert asked == ["bfloat16"]  # refused before loading anything
+
+
+def test_an_opening_steers_magpie_prompts_and_the_rows_keep_the_domain_asked(targets, tmp_path, monkeypatch):
+    from angelspec_hf import cli
+    from angelspec_hf.training.data import synthesize_chat_prompts
+
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    prompts = synthesize_chat_prompts(target, tokenizer, count=4, batch_size=8, max_new_tokens=40, min_chars=3,
+                                      opening="w5 w6")
+    assert len(set(prompts)) == 4 and all(p.startswith("w5 w6 ") and len(p) > len("w5 w6 ") for p in prompts)
+    plain = synthesize_chat_prompts(target, tokenizer, count=4, batch_size=8, max_new_tokens=40, min_chars=3)
+    assert not all(p.startswith("w5 w6") for p in plain)
+
+    monkeypatch.setattr(cli, "load_target", lambda name, dtype="float32": (target, tokenizer))
+    out = tmp_path / "rollouts" / "tiny-code"
+    assert cli.main(["rollouts", "--prompts", "--output-dir", str(out), "--max-new-tokens", "6", "--batch-size", "4",
+                     "--magpie", "3", "--magpie-opening", "w5 w6", "--magpie-domain", "code"]) == 0
+    rows = [json.loads(line) for line in (out / "magpie-train.jsonl").open()]
+    listed = [json.loads(line) for line in (tmp_path / "rollouts" / "prompts" / "tiny-code-magpie.jsonl").open()]
+    assert len(rows) == 3 and {row["domain"] for row in rows} == {"code"} == {row["domain"] for row in listed}
+    assert all(row["prompt"].startswith("w5 w6 ") for row in rows)

@@ -178,7 +178,12 @@ def run_rollouts(args: argparse.Namespace) -> int:
     from .prompts import PROMPT_SETS, load_prompts
     from .training.data import generate_rollouts
 
-    target, tokenizer = load_target(args.target)
+    if args.feature_cache and args.dtype != "float32":
+        # The cache is keyed by the target's dtype: bfloat16 states would sit where float32 training never looks.
+        raise SystemExit(f"rollouts --feature-cache keeps float32 target states for training; with --dtype {args.dtype} "
+                         "they would be computed in that dtype and never read. Drop --feature-cache (training "
+                         "computes the states once, in float32, with `train --feature-cache`) or decode in float32.")
+    target, tokenizer = load_target(args.target, args.dtype)
     caches = list(recipe_feature_caches(target, args.feature_cache, args.recipe).values()) if args.feature_cache else []
     options = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "feature_caches": caches,
                "seq_len": args.rollout_length}
@@ -190,11 +195,11 @@ def run_rollouts(args: argparse.Namespace) -> int:
         existing = [row["prompt"] for row in map(json.loads, synthetic.read_text().splitlines())] if synthetic.exists() else []
         held_out = {p for name in PROMPT_SETS for p in load_prompts(name, "eval")}
         prompts = synthesize_chat_prompts(target, tokenizer, args.magpie, batch_size=args.batch_size,
-                                          existing=existing, exclude=held_out)
+                                          existing=existing, exclude=held_out, opening=args.magpie_opening)
         synthetic.parent.mkdir(parents=True, exist_ok=True)
-        synthetic.write_text("".join(json.dumps({"prompt": p, "domain": "chat"}) + "\n" for p in prompts))
+        synthetic.write_text("".join(json.dumps({"prompt": p, "domain": args.magpie_domain}) + "\n" for p in prompts))
         speed = generate_rollouts(target, tokenizer, prompts, Path(args.output_dir) / "magpie-train.jsonl",
-                                  domain="chat", **options)
+                                  domain=args.magpie_domain, **options)
         print(f"magpie: {speed['new_tokens']} new tokens at {speed['tokens_per_s']:.1f} tokens/s")
     for name in args.prompts:
         domain = PROMPT_SETS.get(name, Path(name).stem)
@@ -395,14 +400,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     rollouts = commands.add_parser("rollouts", help="greedy target responses to the training split of prompt sets")
     rollouts.add_argument("--target", default="reference")
-    rollouts.add_argument("--prompts", nargs="+", default=["gsm8k", "humaneval", "mbpp"],
-                          help="bundled sets (mtbench, humaneval, mbpp, gsm8k) or JSONL files")
+    rollouts.add_argument("--prompts", nargs="*", default=["gsm8k", "humaneval", "mbpp"],
+                          help="bundled sets (mtbench, humaneval, mbpp, gsm8k) or JSONL files; none after the flag "
+                               "answers only the --magpie prompts")
     rollouts.add_argument("--output-dir", default="data/rollouts/SmolLM2-135M-Instruct")
     rollouts.add_argument("--max-new-tokens", type=int, default=192)
     rollouts.add_argument("--batch-size", type=int, default=16)
+    rollouts.add_argument("--dtype", default="float32", choices=DTYPES,
+                          help="decoding dtype. bfloat16 is several times faster on a GPU and on a CPU with AMX, "
+                               "and the rows stay the target's own answers (its greedy path in bfloat16 arithmetic, "
+                               "which can part from float32's after a near-tie); soft labels and target states are "
+                               "recomputed in float32 when training. Use batches of 32-64 there")
     rollouts.add_argument("--magpie", type=int, default=0,
                           help="also answer Magpie-style chat prompts sampled from the target until the output's prompt list "
                                "(../prompts/<output-dir name>-magpie.jsonl) holds this many; it grows from run to run")
+    rollouts.add_argument("--magpie-opening", default="",
+                          help="start every synthesised user turn with this text, e.g. \"Write a Python function that\", "
+                               "to steer the prompts to a domain (use a separate --output-dir per opening)")
+    rollouts.add_argument("--magpie-domain", default="chat", help="the domain recorded on the Magpie rows")
     from .training.recipes import RECIPES, Recipe
 
     rollouts.add_argument("--feature-cache", default=None,

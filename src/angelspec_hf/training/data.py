@@ -136,8 +136,13 @@ def user_turn_prefix_ids(tokenizer) -> list[int]:
 def synthesize_chat_prompts(
     target, tokenizer, count: int, batch_size: int = 16, max_new_tokens: int = 64, seed: int = 0,
     min_chars: int = 12, existing: list[str] = (), exclude: set[str] = frozenset(), max_samples: int | None = None,
+    opening: str = "",
 ) -> list[str]:
     """Magpie-style prompts: the target samples a user turn from its own empty user header.
+
+    ``opening`` starts every user turn with that text (for example "Write a Python function that")
+    and the target writes the rest, which steers the prompts to a domain (code, math) while the
+    request itself stays the target's own; each prompt is the opening plus what was sampled.
 
     Returns ``existing`` followed by new prompts until there are ``count``, so a list grows from
     run to run (the sampling seed moves with the list's length, so a resumed run draws new turns).
@@ -148,7 +153,8 @@ def synthesize_chat_prompts(
     """
     from ..generation.engine import SpeculativeEngine
 
-    prefix = user_turn_prefix_ids(tokenizer)
+    opening_ids = tokenizer.encode(opening, add_special_tokens=False) if opening else []
+    prefix = user_turn_prefix_ids(tokenizer) + opening_ids
     eos = tokenizer.eos_token_id
     prompts: dict[str, None] = dict.fromkeys(existing)
     allowed = max_samples if max_samples is not None else 4 * count
@@ -165,7 +171,8 @@ def synthesize_chat_prompts(
                 turn = output[len(prefix):]
                 if eos not in turn:
                     continue  # cut off: not a complete user turn
-                text = tokenizer.decode(turn[: turn.index(eos)], skip_special_tokens=True).strip()
+                # Decoded with the opening, so the tokenizer places the space between them as it would in one text.
+                text = tokenizer.decode(opening_ids + turn[: turn.index(eos)], skip_special_tokens=True).strip()
                 if len(text) >= min_chars and text not in prompts and text not in exclude and len(prompts) < count:
                     prompts[text] = None
                     bar.update(1)
