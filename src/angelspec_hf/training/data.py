@@ -161,7 +161,7 @@ def synthesize_chat_prompts(
     budget = allowed
     engine = SpeculativeEngine(target, None, max_batch_size=batch_size)
     torch.manual_seed(seed + len(prompts))
-    with tqdm(total=count, initial=min(len(prompts), count), desc="synthesising chat prompts", unit="prompt") as bar:
+    with tqdm(total=count, initial=min(len(prompts), count), desc="synthesising Magpie prompts", unit="prompt") as bar:
         while len(prompts) < count and budget > 0:
             draws = min(4 * batch_size, budget)
             budget -= draws
@@ -177,7 +177,7 @@ def synthesize_chat_prompts(
                     prompts[text] = None
                     bar.update(1)
     if len(prompts) < count:
-        logger.warning("Synthesised %d of %d chat prompts within %d samples (too many duplicates or cut-off turns).",
+        logger.warning("Synthesised %d of %d Magpie prompts within %d samples (too many duplicates or cut-off turns).",
                        len(prompts), count, allowed)
     return list(prompts)
 
