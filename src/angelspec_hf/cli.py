@@ -407,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--max-new-tokens", type=int, default=192)
     rollouts.add_argument("--batch-size", type=int, default=16)
     rollouts.add_argument("--dtype", default="float32", choices=DTYPES,
-                          help="decoding dtype. bfloat16 is several times faster on a GPU and on a CPU with AMX, "
+                          help="decoding dtype. bfloat16 is faster on a GPU and on a CPU with AMX (measured on the reference target "
+                               "at 64 rows, two threads: 1.6x float32, 2.1x padded generate at 16 rows), "
                                "and the rows stay the target's own answers (its greedy path in bfloat16 arithmetic, "
                                "which can part from float32's after a near-tie); soft labels and target states are "
                                "recomputed in float32 when training. Use batches of 32-64 there")
