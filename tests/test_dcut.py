@@ -97,14 +97,18 @@ def test_best_window_is_the_brute_force_optimum_over_per_row_lengths(per_token):
         assert rate == pytest.approx(optimum)
 
 
+def batch16_cost() -> CostModel:
+    """At batch 16 a step verifying 8 slots per row costs 8 plain steps (compute-bound CPU)."""
+    return CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 100], batch_sizes=[1, 16],
+                     seconds=[[[1.0, 1.0], [1.2, 1.2]], [[2.0, 2.0], [16.0, 16.0]]])
+
+
 def test_batch_dcut_drafts_less_as_the_batch_grows():
     from angelspec_hf.generation import BatchDCutPolicy
 
     # Like a CPU: a forward costs about the same for 1 to 8 slots at batch 1, but at batch 16
     # every slot costs what a decoded token does.
-    model = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 100], batch_sizes=[1, 16],
-                      seconds=[[[1.0, 1.0], [1.2, 1.2]], [[2.0, 2.0], [16.0, 16.0]]])
-    policy = BatchDCutPolicy(model, explore_every=1000)
+    policy = BatchDCutPolicy(batch16_cost(), explore_every=1000)
     confident = [0.9] * 7
     assert policy.window([confident], batch=1, context=10) == 8
     assert policy.window([confident] * 16, batch=16, context=10) == 1
@@ -140,6 +144,39 @@ def test_retries_that_do_not_pay_back_off():
     for _ in range(30):  # drafting pays again: back to the short wait, and drafting every round
         policy.observe([0.9, 0.9, 0.9], accepted=3, draft_seconds=0.01, context=50)
     assert policy.backoff == 1 and policy.should_draft()
+
+
+@pytest.mark.parametrize("budget, wait", [(None, 16), (0.02, 400), (0.5, 16)])
+def test_batch_retries_wait_until_their_loss_fits_the_probe_budget(budget, wait):
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    policy = BatchDCutPolicy(batch16_cost(), explore_every=8, probe_budget=budget)
+    # 16 rows drafted, none accepted: 2 s drafting + 16 s verifying for 16 tokens a plain step
+    # makes in 2 s, so the round lost 8 plain steps.
+    policy.observe([([0.9] * 7, 0)] * 16, batch=16, width=8, context=10, draft_seconds=2.0)
+    assert policy.lost_steps == pytest.approx(8.0)
+    assert [policy.should_draft() for _ in range(wait)] == [False] * (wait - 1) + [True]
+
+
+def test_probe_budget_bounds_the_time_lost_to_retries():
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    policy = BatchDCutPolicy(batch16_cost(), explore_every=8, probe_budget=0.02)
+    lost = plain = 0.0
+    for _ in range(5000):
+        if policy.should_draft():
+            policy.observe([([0.9] * 7, 0)] * 16, batch=16, width=8, context=10, draft_seconds=2.0)
+            lost += policy.lost_steps
+        else:
+            plain += 1
+    assert 0 < lost <= 0.02 * plain + 8  # the very first round is not a retry
+
+
+def test_probe_budget_is_checked():
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    with pytest.raises(ValueError, match="probe_budget"):
+        BatchDCutPolicy(batch16_cost(), probe_budget=2.0)
 
 
 @pytest.mark.parametrize("kind", ["mtp", "dfly-hybrid-corr", "dfly-global-nocorr"])

@@ -6,7 +6,8 @@ acceptance of position j. Keeping k positions yields ``1 + sum_{j<=k} s_j`` toke
 verification of k+1 tokens, whose cost comes from the profiled `CostModel`; D-cut keeps the k that
 maximises tokens per second. Drafting itself is timed online; when recent rounds produced fewer
 tokens per second than plain decoding would have, the policy stops drafting and only retries
-every ``explore_every`` rounds, so a speculative configuration is not slower than AR for long.
+after ``explore_every`` rounds or more (see `_DraftGate`), so a speculative configuration is not
+slower than AR for long.
 Every ``explore_every``-th kept draft is kept whole, so the calibration keeps seeing outcomes at
 every depth even when the current estimate says to cut short.
 
@@ -22,6 +23,7 @@ concurrency 16 a forward is compute-bound and drafted slots are rarely worth the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .cost_model import CostModel
@@ -121,41 +123,64 @@ class FixedLengthPolicy:
 class _DraftGate:
     """Stops drafting while it has not been paying and retries after ``explore_every`` rounds,
     doubling the wait after every retry that did not pay either (up to ``max_backoff`` times),
-    since each retry costs a drafting round that is slower than plain decoding."""
+    since each retry costs a drafting round that is slower than plain decoding.
 
-    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8):
+    With ``probe_budget`` the wait is also long enough that failed retries cost at most that
+    fraction of the time: a retry that lost L plain steps' worth of time is followed by at least
+    ``L / probe_budget`` plain steps. In a large batch one retry is a whole batch's drafting round
+    (on a CPU at concurrency 16 about three plain steps lost), so a fixed wait would spend several
+    percent of the run on retries that cannot pay; at batch 1 a retry costs a fraction of a step.
+    """
+
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
+                 probe_budget: float | None = None):
+        if probe_budget is not None and not 0 < probe_budget <= 1:
+            raise ValueError(f"probe_budget is a fraction of the time (0 < probe_budget <= 1), got {probe_budget}")
         self.cost_model = cost_model
         self.calibrator = Calibrator()
         self.explore_every = explore_every
         self.smoothing = smoothing
         self.max_backoff = max_backoff
+        self.probe_budget = probe_budget
         self.efficiency: float | None = None  # moving average of (tokens/s drafting) / (tokens/s plain)
+        self.lost_steps = 0.0  # plain steps' worth of time the last drafting round lost (0 if it paid)
         self.backoff = 1
         self.skipped = 0
         self.decisions = 0
+
+    def wait(self) -> int:
+        """Plain steps to take before retrying while drafting has not been paying."""
+        steps = self.explore_every * self.backoff
+        if self.probe_budget is not None:
+            steps = max(steps, math.ceil(self.lost_steps / self.probe_budget))
+        return steps
 
     def should_draft(self) -> bool:
         if self.efficiency is None or self.efficiency >= 1.0:
             return True
         self.skipped += 1
-        if self.skipped >= self.explore_every * self.backoff:
+        if self.skipped >= self.wait():
             self.skipped = 0
             return True
         return False
 
-    def _record_rate(self, tokens_per_second: float, plain_tokens_per_second: float) -> None:
-        self.efficiency = _moving(self.efficiency, tokens_per_second / plain_tokens_per_second, self.smoothing)
+    def _record_rate(self, tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> None:
+        """One drafting round made ``tokens`` in ``seconds``; a plain step makes ``plain_tokens`` in ``plain_seconds``."""
+        ratio = (tokens / seconds) / (plain_tokens / plain_seconds)
+        self.efficiency = _moving(self.efficiency, ratio, self.smoothing)
+        self.lost_steps = max(0.0, seconds / plain_seconds - tokens / plain_tokens)
         self.backoff = 1 if self.efficiency >= 1.0 else min(2 * self.backoff, self.max_backoff)
 
 
 class DCutPolicy(_DraftGate):
     """Cost-aware draft cutting for one drafter at batch 1 (see the module docstring)."""
 
-    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 1):
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 1,
+                 probe_budget: float | None = None):
         # No backoff by default at batch 1: measured on the reference target, a sequential drafter
         # whose efficiency hovers near 1 lost its paying phases (MTP + D-cut on math: 1.17x without
         # backoff, 0.97x with it); in the engine, where a retry costs a whole batch, it pays.
-        super().__init__(cost_model, explore_every, smoothing, max_backoff)
+        super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget)
         self.draft_seconds: float | None = None  # moving average of one round's drafting time
 
     def verify(self, context: int):
@@ -180,7 +205,7 @@ class DCutPolicy(_DraftGate):
             self.calibrator.update(confidence, position < accepted)
         self.draft_seconds = _moving(self.draft_seconds, draft_seconds, self.smoothing)
         verify = self.verify(context)
-        self._record_rate((accepted + 1) / (draft_seconds + verify(len(confidences) + 1)), 1 / verify(1))
+        self._record_rate(accepted + 1, draft_seconds + verify(len(confidences) + 1), 1, verify(1))
 
 
 def _moving(average: float | None, value: float, smoothing: float) -> float:
@@ -192,10 +217,14 @@ class BatchDCutPolicy(_DraftGate):
 
     The engine calls `should_draft` before drafting, `window` with every drafting row's raw
     confidences after it, and `observe` once the step's forward has been verified.
+
+    ``probe_budget`` (default 2%) bounds the time that retries which do not pay may take (see
+    `_DraftGate`); ``None`` leaves only the doubling wait.
     """
 
-    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8):
-        super().__init__(cost_model, explore_every, smoothing, max_backoff)
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
+                 probe_budget: float | None = 0.02):
+        super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget)
         self.windows: list[int] = []  # chosen window of every drafting step, for reports
 
     def verify(self, batch: int, context: int):
@@ -227,4 +256,4 @@ class BatchDCutPolicy(_DraftGate):
                 self.calibrator.update(confidence, position < accepted)
             gained += accepted
         verify = self.verify(batch, context)
-        self._record_rate(gained / (draft_seconds + verify(width)), batch / verify(1))
+        self._record_rate(gained, draft_seconds + verify(width), batch, verify(1))
