@@ -17,7 +17,9 @@ adds `angelspec-hf corpus` rows to the LK stage (the TV stage stays on rollouts)
 LK learning rate (TV: a third of it), `--cache DIR` keeps the target's states per row on disk,
 `--seed N` sets the order of rows. `--bf16` trains in mixed precision (the drafter's matmuls in bfloat16; soft labels
 and weights float32), 1.4x (DFly) to 1.6x (MTP) faster steps on this AMX CPU.
-`--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. The TV stage re-reads
+`--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. `--chat-rollouts DIR`
+(repeatable) reads the chat rollouts of these folders instead of `data/rollouts/SmolLM2-135M-Instruct-chat`
+(for example with steered Magpie chat rollouts as well, see data/README.md). The TV stage re-reads
 the rollouts when it starts, so rollouts generated during the LK stage (for example by
 `angelspec-hf rollouts --magpie` on the other core) join it. One torch thread, so that a second
 run or a benchmark can use the other core.
@@ -46,8 +48,16 @@ target, tokenizer = load_reference_target()
 start = time.time()
 
 
+def options(flag: str) -> list[str]:
+    """Every value given with a repeatable flag."""
+    return [sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == flag]
+
+
+chat_dirs = [Path(d) for d in options("--chat-rollouts")] or [Path("data/rollouts/SmolLM2-135M-Instruct-chat")]
+
+
 def read_rollouts() -> list[dict]:
-    chat = rollout_sequences(sorted(Path("data/rollouts/SmolLM2-135M-Instruct-chat").glob("*.jsonl")), seq_len=448)
+    chat = rollout_sequences(sorted(f for d in chat_dirs for f in d.glob("*.jsonl")), seq_len=448)
     other = rollout_sequences(sorted(Path("data/rollouts/SmolLM2-135M-Instruct").glob("*.jsonl")), seq_len=448)
     print("rollouts:", len(chat), "chat,", len(other), "code/math", flush=True)
     return chat * int(option("--chat-repeat", 3)) + other
