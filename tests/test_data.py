@@ -179,3 +179,20 @@ def test_an_opening_steers_magpie_prompts_and_the_rows_keep_the_domain_asked(tar
     listed = [json.loads(line) for line in (tmp_path / "rollouts" / "prompts" / "tiny-code-magpie.jsonl").open()]
     assert len(rows) == 3 and {row["domain"] for row in rows} == {"code"} == {row["domain"] for row in listed}
     assert all(row["prompt"].startswith("w5 w6 ") for row in rows)
+
+
+def test_the_longest_magpie_turn_is_an_option(targets, tmp_path, monkeypatch):
+    from angelspec_hf import cli
+    from angelspec_hf.training import data
+
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    monkeypatch.setattr(cli, "load_target", lambda name, dtype="float32": (target, tokenizer))
+    asked = []
+    synthesize = data.synthesize_chat_prompts
+    monkeypatch.setattr(data, "synthesize_chat_prompts",
+                        lambda *a, **kw: asked.append(kw["max_new_tokens"]) or synthesize(*a, **kw))
+    out = tmp_path / "rollouts" / "tiny-chat"
+    command = ["rollouts", "--prompts", "--output-dir", str(out), "--max-new-tokens", "4", "--batch-size", "4",
+               "--magpie", "2"]
+    assert cli.main(command) == 0 and cli.main(command + ["--magpie", "4", "--magpie-turn-tokens", "30"]) == 0
+    assert asked == [64, 30]
