@@ -11,13 +11,25 @@
     python examples/train_dfly_reference.py dfly-code modeling-runs/dfly4 3000 0 600000 \\
         --from modeling-runs/dfly3/lk --lr 5e-4 --code-seed 1 --seed 3 \\
         --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache
+    python examples/train_dfly_reference.py dfly-code modeling-runs/dfly5 3000 0 600000 \\
+        --from modeling-runs/dfly4/lk --lr 5e-4 --code-seed 1 --seed 4 \\
+        --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code
+    python examples/train_dfly_reference.py dfly-code modeling-runs/dfly6 3000 0 600000 \\
+        --from modeling-runs/dfly5/lk --lr 5e-4 --code-seed 1 --seed 5 \\
+        --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code
 
 The first command trained the first shipped DFly drafter (over the full vocabulary; its 8192-token
 draft vocabulary was set afterwards with `angelspec-hf draft-vocab`); the second continued it
 (its LK checkpoint `modeling-runs/dfly2/lk`; 88 minutes beside the DFlash run; the 100 TV steps
 after it were worse); the third continued that on the same data in a new row order
-(`modeling-runs/dfly3/lk`, 72 minutes beside the DFlash run), the fourth did so again into the
-shipped one (`modeling-runs/dfly4/lk`, 75 minutes beside the DFlash run).
+(`modeling-runs/dfly3/lk`, 72 minutes beside the DFlash run), the fourth did so again
+(`modeling-runs/dfly4/lk`, 75 minutes beside the DFlash run), the fifth added the steered Magpie code
+rollouts in mixed precision (31 minutes; their target states were put into the feature cache first
+with `angelspec_hf.training.corpus.fill_feature_cache`, 5.5 minutes at two threads, so that the two
+runs did not both compute them) and the sixth made a
+second pass over that data into the shipped one (`modeling-runs/dfly6/lk`, 36 minutes).
 
 Stage 1 (LK + D-PACE) runs on standard-library code framed as replies to the training split of
 the code prompts (``corpus_tokens`` of it, files in ``--code-seed`` order), the target's code and
