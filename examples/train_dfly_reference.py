@@ -55,19 +55,11 @@ import torch
 from transformers import AutoModel
 
 import angelspec_hf  # noqa: F401
+from _flags import option, options
 from angelspec_hf.reference import load_reference_target
 from angelspec_hf.training.corpus import framed_code_sequences
 from angelspec_hf.training.data import rollout_sequences
 from angelspec_hf.training.recipes import Recipe, train_drafter
-
-
-def option(flag: str, default=None):
-    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
-
-
-def options(flag: str) -> list[str]:
-    """Every value given with a repeatable flag."""
-    return [sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == flag]
 
 
 torch.set_num_threads(1)

@@ -33,24 +33,16 @@ import torch
 from transformers import AutoModel
 
 import angelspec_hf  # noqa: F401
+from _flags import option, options
 from angelspec_hf.reference import load_reference_target
 from angelspec_hf.training.data import rollout_sequences
 from angelspec_hf.training.recipes import Recipe, train_drafter
-
-
-def option(flag: str, default=None):
-    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
 
 
 torch.set_num_threads(1)
 name, out, lk_steps, tv_steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 target, tokenizer = load_reference_target()
 start = time.time()
-
-
-def options(flag: str) -> list[str]:
-    """Every value given with a repeatable flag."""
-    return [sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == flag]
 
 
 chat_dirs = [Path(d) for d in options("--chat-rollouts")] or [Path("data/rollouts/SmolLM2-135M-Instruct-chat")]
