@@ -418,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "(../prompts/<output-dir name>-magpie.jsonl) holds this many; it grows from run to run")
     rollouts.add_argument("--magpie-opening", default="",
                           help="start every synthesised user turn with this text, e.g. \"Write a Python function that\", "
-                               "to steer the prompts to a domain (use a separate --output-dir per opening)")
+                               "to steer the prompts to a domain. Several openings can share an --output-dir (its prompt list "
+                               "grows run by run), but keep one --output-dir per --magpie-domain: the list's rows are "
+                               "rewritten with the current run's domain")
     rollouts.add_argument("--magpie-domain", default="chat", help="the domain recorded on the Magpie rows")
     rollouts.add_argument("--magpie-turn-tokens", type=int, default=64,
                           help="longest synthesised user turn; longer ones are cut off and dropped, so raise it for "
