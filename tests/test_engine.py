@@ -276,13 +276,14 @@ def test_a_candidate_drafter_ingests_only_when_its_arm_drafts(setup):
     def counted(row, drafter):
         generator = new_generator(row, drafter)
         arm = next(name for name, model in engine.drafters.items() if model is drafter)
-        observe = generator.observe_outputs
+        # Every ingest, alone or batched with other rows (`observe_many`), reads its row's new states here.
+        new_features = generator._new_features
 
-        def observe_counted(*args, **kwargs):
+        def counted_features(*args, **kwargs):
             ingests[row.index, arm] = ingests.get((row.index, arm), 0) + 1
-            return observe(*args, **kwargs)
+            return new_features(*args, **kwargs)
 
-        generator.observe_outputs = observe_counted
+        generator._new_features = counted_features
         return generator
 
     engine._new_generator = counted

@@ -103,6 +103,20 @@ def causal_mask_with_prefix(num_queries: int, num_prefix: int, device: torch.dev
     return allowed[None, None]
 
 
+def stack_right_padded(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Concatenate batch-1 tensors along the batch, zero-padding each at the end of ``dim``."""
+    width = max(t.shape[dim] for t in tensors)
+    padded = []
+    for t in tensors:
+        missing = width - t.shape[dim]
+        if missing:
+            shape = list(t.shape)
+            shape[dim] = missing
+            t = torch.cat([t, t.new_zeros(shape)], dim=dim)
+        padded.append(t)
+    return torch.cat(padded)
+
+
 # --------------------------------------------------------------------------- target binding
 
 
@@ -311,6 +325,33 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
 
     def observe_outputs(self, input_ids: torch.LongTensor, model_outputs: Any, model_kwargs: dict[str, Any] | None = None) -> None:
         """Append the context of the positions the last verify forward committed."""
+        features = self._new_features(input_ids, model_outputs, model_kwargs)
+        with torch.no_grad():
+            self.ingest(input_ids, features)
+        self.committed += features[0].shape[1]
+
+    @classmethod
+    def observe_many(cls, generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor],
+                     model_outputs: list[Any], model_kwargs: list[dict[str, Any] | None] | None = None) -> None:
+        """`observe_outputs` for several sequences, one generator each (all of one drafter)."""
+        model_kwargs = model_kwargs or [None] * len(generators)
+        features = [generator._new_features(ids, outputs, kwargs)
+                    for generator, ids, outputs, kwargs in zip(generators, input_ids, model_outputs, model_kwargs)]
+        with torch.no_grad():
+            cls.ingest_many(generators, input_ids, features)
+        for generator, row_features in zip(generators, features):
+            generator.committed += row_features[0].shape[1]
+
+    @classmethod
+    def ingest_many(cls, generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor],
+                    features: list[list[torch.Tensor]]) -> None:
+        """``ingest`` of several generators; subclasses batch it, this one goes one row at a time."""
+        for generator, ids, row_features in zip(generators, input_ids, features):
+            generator.ingest(ids, row_features)
+
+    def _new_features(self, input_ids: torch.LongTensor, model_outputs: Any,
+                      model_kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+        """The drafter's input layers at the positions committed since the last call (and their key padding)."""
         num_new = input_ids.shape[1] - 1 - self.committed
         hidden_states = getattr(model_outputs, "hidden_states", None)
         if hidden_states is None or num_new < 1 or hidden_states[self.layer_ids[0] + 1].shape[1] < num_new:
@@ -318,30 +359,70 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
                 "angelspec-hf lost track of the target's verified positions "
                 f"(expected {num_new} new positions); please report this with the generate arguments used."
             )
-        features = [hidden_states[i + 1][:, :num_new].to(self.drafter.dtype) for i in self.layer_ids]
         self._extend_key_padding(model_kwargs, num_new)
-        with torch.no_grad():
-            self.ingest(input_ids, features)
-        self.committed += num_new
+        return [hidden_states[i + 1][:, :num_new].to(self.drafter.dtype) for i in self.layer_ids]
 
     def propose(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Draft after ``input_ids`` (whose context is ingested); returns candidates and their logits."""
+        budget = self._start_round(input_ids)
+        if budget < 1:
+            return input_ids, None
+        start = time.perf_counter()
+        with torch.no_grad():
+            tokens, logits = self.draft(input_ids, budget)
+        return self._finish_round(input_ids, tokens, logits, time.perf_counter() - start)
+
+    @classmethod
+    def propose_many(
+        cls, generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor]
+    ) -> list[tuple[torch.LongTensor, torch.Tensor | None]]:
+        """`propose` for several sequences at once, one generator each (all of one drafter).
+
+        A batched engine calls this so that a drafter runs one forward for all its rows instead of
+        one per row (``draft_many``); each row's draft, confidences and statistics are what its own
+        `propose` would give, up to floating-point differences of the batched kernels. The drafting
+        time is shared evenly between the rows that drafted.
+        """
+        budgets = [generator._start_round(ids) for generator, ids in zip(generators, input_ids)]
+        drafting = [i for i, budget in enumerate(budgets) if budget >= 1]
+        results: list[tuple[torch.LongTensor, torch.Tensor | None]] = [(ids, None) for ids in input_ids]
+        if not drafting:
+            return results
+        start = time.perf_counter()
+        with torch.no_grad():
+            drafts = cls.draft_many([generators[i] for i in drafting], [input_ids[i] for i in drafting],
+                                    [budgets[i] for i in drafting])
+        seconds = (time.perf_counter() - start) / len(drafting)
+        for i, (tokens, logits) in zip(drafting, drafts):
+            results[i] = generators[i]._finish_round(input_ids[i], tokens, logits, seconds)
+        return results
+
+    @classmethod
+    def draft_many(
+        cls, generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor], budgets: list[int]
+    ) -> list[tuple[torch.LongTensor, torch.Tensor]]:
+        """``draft`` of several generators; subclasses batch it, this one drafts one row at a time."""
+        return [generator.draft(ids, budget) for generator, ids, budget in zip(generators, input_ids, budgets)]
+
+    def _start_round(self, input_ids: torch.LongTensor) -> int:
+        """Reset the round's record; the number of tokens to draft (0: skip the round)."""
         self.last_draft_length = 0
         self.last_confidences = None
+        self.confidences = []
         budget = min(self.max_draft_tokens, self.max_length - input_ids.shape[1] - 1)
         # An optional draft policy (D-cut, duck-typed so remote code needs nothing of ours) may
         # skip drafting or keep only a prefix; the choice uses draft-side information only, so
         # greedy output stays identical and sampling keeps the target distribution.
-        policy = self.policy
-        if budget < 1 or (policy is not None and not policy.should_draft()):
-            return input_ids, None
-        start = time.perf_counter()
-        self.confidences = []
-        with torch.no_grad():
-            tokens, logits = self.draft(input_ids, budget)
-        self.last_draft_seconds = time.perf_counter() - start
-        if policy is not None:
-            keep = policy.choose(self.confidences, input_ids.shape[1])
+        if budget < 1 or (self.policy is not None and not self.policy.should_draft()):
+            return 0
+        return budget
+
+    def _finish_round(self, input_ids: torch.LongTensor, tokens: torch.LongTensor, logits: torch.Tensor,
+                      seconds: float) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Apply the policy's cut to a drafted round; the candidates and their logits."""
+        self.last_draft_seconds = seconds
+        if self.policy is not None:
+            keep = self.policy.choose(self.confidences, input_ids.shape[1])
             self.last_confidences = self.confidences[:keep]
             tokens, logits = tokens[:, :keep], logits[:, :keep]
             if keep == 0:
@@ -406,6 +487,44 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         if self.policy is not None:
             self.confidences.append(float(probabilities.gather(-1, token)[0, 0]))
         return logits, token
+
+    @staticmethod
+    def select_many(generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor],
+                    logits: torch.Tensor, live: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select` for one position of several rows at once: ``logits`` (rows, V) -> processed
+        float32 logits (rows, V) and tokens (rows, 1). Only ``live`` rows record a confidence."""
+        first = generators[0]
+        logits = logits.float()
+        if first.logits_processor is not None:
+            # Processors read each row's own ids (a repetition penalty does), so they run per row.
+            logits = torch.cat([generator.logits_processor(ids, row[None])
+                                for generator, ids, row in zip(generators, input_ids, logits)])
+        wants_confidence = [generator.policy is not None and alive for generator, alive in zip(generators, live)]
+        probabilities = logits.softmax(dim=-1) if first.do_sample or any(wants_confidence) else None
+        if first.do_sample:
+            tokens = torch.multinomial(probabilities, num_samples=1)
+        else:
+            tokens = logits.argmax(dim=-1, keepdim=True)
+        if any(wants_confidence):
+            confidences = probabilities.gather(-1, tokens)[:, 0].tolist()
+            for generator, wanted, confidence in zip(generators, wants_confidence, confidences):
+                if wanted:
+                    generator.confidences.append(confidence)
+        return logits, tokens
+
+    @staticmethod
+    def stacked_context_mask(generators: list["AngelSpecCandidateGenerator"], lengths: list[int]) -> torch.Tensor:
+        """Boolean (rows, 1, 1, max length) over context keys stacked right-padded: True where a row
+        has a real key (its own key padding applied)."""
+        device = generators[0].embed_tokens.weight.device
+        width = max(lengths)
+        mask = torch.arange(width, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+        for row, generator in enumerate(generators):
+            if generator.key_padding is not None:
+                # Up to the row's context: an ingest has already extended it over the positions being added.
+                padding = generator.key_padding[0, : lengths[row]].to(device)
+                mask[row, : padding.shape[0]] &= padding
+        return mask[:, None, None, :]
 
     def keep_drafting(self, context: int) -> bool:
         """Sequential drafters ask after each token whether the draft policy wants another one."""

@@ -25,6 +25,7 @@ from .modeling_angelspec_common import (
     rotary_cos_sin,
     sorted_draft_token_ids,
     split_heads,
+    stack_right_padded,
 )
 
 
@@ -233,7 +234,21 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
 
     def ingest(self, input_ids, features):
         positions = torch.arange(self.committed, self.committed + features[0].shape[1], device=input_ids.device)[None]
-        new = self.drafter.context_keys_values(features, positions)
+        self._append_context(self.drafter.context_keys_values(features, positions))
+
+    @classmethod
+    def ingest_many(cls, generators, input_ids, features):
+        """Context keys/values depend on each position alone, so all rows' new positions go through
+        the drafter as one sequence and are split back."""
+        counts = [row[0].shape[1] for row in features]
+        positions = torch.cat([torch.arange(generator.committed, generator.committed + count, device=ids.device)
+                               for generator, ids, count in zip(generators, input_ids, counts)])[None]
+        joined = [torch.cat(layer, dim=1) for layer in zip(*features)]
+        new = generators[0].drafter.context_keys_values(joined, positions)
+        for generator, parts in zip(generators, zip(*[zip(k.split(counts, dim=2), v.split(counts, dim=2)) for k, v in new])):
+            generator._append_context(list(parts))
+
+    def _append_context(self, new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self.context_kv is None:
             self.context_kv = new
         else:
@@ -270,6 +285,52 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
                 break
         return torch.cat(tokens, dim=-1), torch.stack(all_logits, dim=1)
 
+
+    @classmethod
+    def draft_many(cls, generators, input_ids, budgets):
+        """One block forward for all rows: contexts stacked right-padded under a key mask; the
+        correction head then runs left to right over every row at once."""
+        first = generators[0]
+        drafter, config = first.drafter, first.drafter.config
+        rows, block = len(generators), config.block_size
+        device = input_ids[0].device
+        lengths = [generator.context_kv[0][0].shape[2] for generator in generators]
+        context_kv = [
+            tuple(stack_right_padded([generator.context_kv[layer][part] for generator in generators], dim=2)
+                  for part in range(2))
+            for layer in range(len(drafter.layers))
+        ]
+        context_mask = cls.stacked_context_mask(generators, lengths)
+        mask = torch.cat([context_mask, context_mask.new_ones(rows, 1, 1, block)], dim=-1)
+        anchors = torch.cat([ids[:, -1:] for ids in input_ids])
+        block_ids = torch.cat([anchors, anchors.new_full((rows, block - 1), config.mask_token_id)], dim=-1)
+        starts = torch.tensor([ids.shape[1] - 1 for ids in input_ids], device=device)
+        positions = starts[:, None] + torch.arange(block, device=device)[None]
+        num_tokens = max(budgets)
+        z = drafter(first.embed_tokens(block_ids).to(drafter.dtype), positions, context_kv, mask)[:, 1 : num_tokens + 1]
+        logits_all = drafter.logits(z, first.draft_lm_head) if drafter.hidden_correction is None else None
+        ids, previous = list(input_ids), anchors
+        live = [budget > 0 for budget in budgets]
+        tokens, all_logits = [[] for _ in generators], [[] for _ in generators]
+        for index in range(num_tokens):
+            if logits_all is None:
+                hidden = drafter.correct(z[:, index], first.embed_tokens(previous).to(drafter.dtype)[:, 0])
+                position_logits = drafter.logits(hidden, first.draft_lm_head)
+            else:
+                position_logits = logits_all[:, index]
+            logits, chosen = cls.select_many(generators, ids, position_logits, live)
+            for row, generator in enumerate(generators):
+                if not live[row]:
+                    continue
+                tokens[row].append(chosen[row : row + 1])
+                all_logits[row].append(logits[row : row + 1])
+                ids[row] = torch.cat([ids[row], chosen[row : row + 1]], dim=-1)
+                live[row] = index + 1 < budgets[row] and (
+                    logits_all is not None or generator.keep_drafting(input_ids[row].shape[1]))
+            previous = chosen
+            if not any(live):
+                break
+        return [(torch.cat(t, dim=-1), torch.stack(l, dim=1)) for t, l in zip(tokens, all_logits)]
 
 DFlyDrafter.candidate_generator_class = DFlyCandidateGenerator
 DFlyDrafterConfig.register_for_auto_class()

@@ -21,6 +21,7 @@ from .modeling_angelspec_common import (
     rotary_cos_sin,
     sorted_draft_token_ids,
     split_heads,
+    stack_right_padded,
 )
 
 
@@ -222,6 +223,48 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
         )
         self.last_hidden = hidden[:, -1:]
 
+    @classmethod
+    def ingest_many(cls, generators, input_ids, features):
+        """One drafter forward over every row's new positions, right-padded to the longest: each
+        query sees its row's cache (stacked under a key mask) and its row's new keys causally."""
+        first = generators[0]
+        drafter = first.drafter
+        for generator in generators:
+            generator._crop_to_committed()
+        counts = [row[0].shape[1] for row in features]
+        width, device = max(counts), input_ids[0].device
+        fused = stack_right_padded([drafter.fuse(row) for row in features], dim=1)
+        tokens = stack_right_padded([ids[:, g.committed + 1 : g.committed + 1 + n]
+                                     for g, ids, n in zip(generators, input_ids, counts)], dim=1)
+        starts = torch.tensor([generator.committed for generator in generators], device=device)
+        positions = starts[:, None] + torch.arange(width, device=device)[None]
+        lengths = [generator.past[0].shape[2] if generator.past is not None else 0 for generator in generators]
+        if max(lengths):
+            past = tuple(stack_right_padded([g.past[part] if g.past is not None else g._empty_past(part)
+                                             for g in generators], dim=2) for part in range(2))
+            context_mask = cls.stacked_context_mask(generators, lengths).expand(-1, -1, width, -1)
+        else:
+            past, context_mask = None, torch.ones(len(generators), 1, width, 0, dtype=torch.bool, device=device)
+        new_keys = torch.arange(width, device=device)
+        real = new_keys[None] < torch.tensor(counts, device=device)[:, None]  # (rows, width)
+        for row, generator in enumerate(generators):
+            if generator.key_padding is not None:  # a left-padded prompt's padding is among the new keys
+                real[row, : counts[row]] &= generator.key_padding[0, generator.committed : generator.committed + counts[row]]
+        causal = new_keys[None, :] <= new_keys[:, None]
+        mask = torch.cat([context_mask, (causal[None] & real[:, None, :])[:, None]], dim=-1)
+        hidden, (keys, values) = drafter(fused, first._embed(tokens), positions, past, mask)
+        context = max(lengths)
+        for row, (generator, count) in enumerate(zip(generators, counts)):
+            new = (keys[row : row + 1, :, context : context + count], values[row : row + 1, :, context : context + count])
+            generator.past = new if generator.past is None else tuple(
+                torch.cat([old, part], dim=2) for old, part in zip(generator.past, new))
+            generator.last_hidden = hidden[row : row + 1, count - 1 : count]
+
+    def _empty_past(self, part: int) -> torch.Tensor:
+        """A zero-length cache entry shaped like this drafter's keys (rows that have none yet)."""
+        attention = self.drafter.self_attn
+        return self.embed_tokens.weight.new_zeros(1, attention.num_kv_heads, 0, attention.head_dim).to(self.drafter.dtype)
+
     def draft(self, input_ids, num_tokens):
         drafter = self.drafter
         ids, hidden = input_ids, self.last_hidden
@@ -241,6 +284,39 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
             if not self.keep_drafting(input_ids.shape[1]):
                 break
         return torch.cat(tokens, dim=-1), torch.stack(all_logits, dim=1)
+
+    @classmethod
+    def draft_many(cls, generators, input_ids, budgets):
+        """Each draft step runs once for all rows, over their caches stacked right-padded under a key
+        mask. The draft steps' own entries live only in the stacked copy: a row's cache keeps its
+        committed positions, which is all the next `ingest` keeps anyway."""
+        first = generators[0]
+        drafter = first.drafter
+        rows = len(generators)
+        lengths = [generator.past[0].shape[2] for generator in generators]
+        past = tuple(stack_right_padded([generator.past[part] for generator in generators], dim=2) for part in range(2))
+        context_mask = cls.stacked_context_mask(generators, lengths)
+        hidden = torch.cat([generator.last_hidden for generator in generators])
+        positions = torch.tensor([[ids.shape[1] - 1] for ids in input_ids], device=input_ids[0].device)
+        ids, previous = list(input_ids), None
+        live = [budget > 0 for budget in budgets]
+        tokens, all_logits = [[] for _ in generators], [[] for _ in generators]
+        for step in range(max(budgets)):
+            if step:
+                mask = torch.cat([context_mask, context_mask.new_ones(rows, 1, 1, step)], dim=-1)
+                hidden, past = drafter(hidden, first._embed(previous), positions + step, past, mask)
+            logits, chosen = cls.select_many(generators, ids, drafter.logits(hidden[:, -1], first.lm_head), live)
+            for row, generator in enumerate(generators):
+                if not live[row]:
+                    continue
+                tokens[row].append(chosen[row : row + 1])
+                all_logits[row].append(logits[row : row + 1])
+                ids[row] = torch.cat([ids[row], chosen[row : row + 1]], dim=-1)
+                live[row] = step + 1 < budgets[row] and generator.keep_drafting(input_ids[row].shape[1])
+            previous = chosen
+            if not any(live):
+                break
+        return [(torch.cat(t, dim=-1), torch.stack(l, dim=1)) for t, l in zip(tokens, all_logits)]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens).to(self.drafter.dtype)

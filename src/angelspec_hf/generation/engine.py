@@ -16,7 +16,9 @@ so drafters that lose the probes cost nothing, however long the probes stretch w
 policy keeps drafting off; a probe is charged only its own round's share of a catch-up.
 
 Drafting reuses the drafters' own candidate generators, one per row, fed with that row's slice
-of the verify forward's hidden states. Greedy: each row's output is what plain greedy decoding of
+of the verify forward's hidden states; each drafter then drafts for all its rows in one batched
+forward (``propose_many``), since a row-by-row drafting round cost two plain batched steps at
+concurrency 16 on the reference CPU. Greedy: each row's output is what plain greedy decoding of
 that row gives (up to the floating-point differences any batched forward has, which can flip a
 near-tie). Sampling: each row runs the speculative-sampling acceptance rule on its own drafts
 (accept with probability min(1, p/q), resample from max(p - q, 0) at the first rejection), with
@@ -388,6 +390,33 @@ class SpeculativeEngine:
         row.generators = {row.arm: row.generators[row.arm]} if row.arm in row.generators else {}
         row.pending = {arm: states for arm, states in row.pending.items() if arm in row.generators}
 
+    def _draft(self, rows: list[_Row], active: list[bool]) -> list[list[int]]:
+        """Every active row's draft: each drafter ingests the new states of all its rows, then drafts
+        for all of them, in batched calls (`observe_many`, `propose_many`), their time shared evenly."""
+        groups: dict[str, list[int]] = {}
+        for i, (row, is_active) in enumerate(zip(rows, active)):
+            if is_active and row.generator is not None:
+                groups.setdefault(row.arm, []).append(i)
+        drafts: list[list[int]] = [[] for _ in rows]
+        for members in groups.values():
+            ids = [torch.tensor([rows[i].tokens], device=self.target.device) for i in members]
+            generators = [rows[i].generator for i in members]
+            start = time.perf_counter()
+            pending = [self._take_pending(rows[i]) for i in members]
+            type(generators[0]).observe_many(generators, ids, [outputs for outputs, _ in pending])
+            share = (time.perf_counter() - start) / len(members)
+            for i, (_, latest_share) in zip(members, pending):
+                # A catch-up on states missed while other arms or no drafting ran is paid once, not per round.
+                rows[i].draft_seconds = share * latest_share
+            start = time.perf_counter()
+            proposals = type(generators[0]).propose_many(generators, ids)
+            share = (time.perf_counter() - start) / len(members)
+            for i, row_ids, (candidates, logits) in zip(members, ids, proposals):
+                drafts[i] = candidates[0, row_ids.shape[1]:].tolist()
+                rows[i].draft_logits = logits
+                rows[i].draft_seconds += share
+        return drafts
+
     def _step(self, rows, cache, valid, eos):
         """One verify forward for every active row: draft, verify, accept, mask the rejected slots."""
         active = [not self._finished(row, eos) for row in rows]
@@ -398,21 +427,9 @@ class SpeculativeEngine:
         # A round the policy keeps every drafter out of is plain decoding whatever a row's arm: no probe.
         gated = any_drafter and policy is not None and not policy.should_draft()
         drafting = any_drafter and not gated
-        drafts = []
-        for row, is_active in zip(rows, active):
-            row.draft_seconds = 0.0
-            if not (is_active and row.generator is not None and drafting):
-                drafts.append([])
-                continue
-            ids = torch.tensor([row.tokens], device=self.target.device)
-            start = time.perf_counter()
-            outputs, latest_share = self._take_pending(row)
-            row.generator.observe_outputs(ids, outputs)
-            ingested = time.perf_counter()
-            candidates, row.draft_logits = row.generator.propose(ids)
-            drafts.append(candidates[0, len(row.tokens):].tolist())
-            # A catch-up on states missed while other arms or no drafting ran is paid once, not per round.
-            row.draft_seconds = (time.perf_counter() - ingested) + (ingested - start) * latest_share
+        for row in rows:
+            row.draft_seconds, row.draft_logits = 0.0, None
+        drafts = self._draft(rows, active) if drafting else [[] for _ in rows]
         batch, context = sum(active), valid.shape[1]
         width = 1 + max(len(d) for d in drafts)
         if policy is not None and width > 1:
