@@ -270,6 +270,40 @@ class SpeculationStats:
 # --------------------------------------------------------------------------- candidate generation
 
 
+class BatchedDraft:
+    """Per-row bookkeeping of a draft made for several rows at once: each row keeps the tokens and
+    processed logits chosen for it until its budget is spent or its draft policy stops it."""
+
+    def __init__(self, generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor],
+                 budgets: list[int]):
+        self.generators, self.input_ids, self.budgets = generators, input_ids, budgets
+        self.ids = list(input_ids)
+        self.live = [budget > 0 for budget in budgets]
+        self.tokens: list[list[torch.Tensor]] = [[] for _ in generators]
+        self.logits: list[list[torch.Tensor]] = [[] for _ in generators]
+
+    def choose(self, position_logits: torch.Tensor, step: int, ask_policy: bool = True) -> torch.Tensor:
+        """Pick every row's token at draft position ``step`` from (rows, V) logits; tokens (rows, 1)."""
+        logits, chosen = AngelSpecCandidateGenerator.select_many(self.generators, self.ids, position_logits, self.live)
+        for row, generator in enumerate(self.generators):
+            if not self.live[row]:
+                continue
+            self.tokens[row].append(chosen[row : row + 1])
+            self.logits[row].append(logits[row : row + 1])
+            self.ids[row] = torch.cat([self.ids[row], chosen[row : row + 1]], dim=-1)
+            self.live[row] = step + 1 < self.budgets[row] and (
+                not ask_policy or generator.keep_drafting(self.input_ids[row].shape[1]))
+        return chosen
+
+    @property
+    def done(self) -> bool:
+        return not any(self.live)
+
+    def results(self) -> list[tuple[torch.LongTensor, torch.Tensor]]:
+        """Per row: draft tokens (1, n) and their processed logits (1, n, V)."""
+        return [(torch.cat(tokens, dim=-1), torch.stack(logits, dim=1)) for tokens, logits in zip(self.tokens, self.logits)]
+
+
 class AngelSpecCandidateGenerator(CandidateGenerator):
     """Bridges a drafter and ``transformers``' assisted-decoding loop.
 

@@ -13,6 +13,7 @@ from .configuration_angelspec_mtp import MTPDrafterConfig
 from .modeling_angelspec_common import (
     AngelSpecCandidateGenerator,
     AngelSpecPreTrainedModel,
+    BatchedDraft,
     RMSNorm,
     SwiGLU,
     apply_rotary,
@@ -298,25 +299,15 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
         context_mask = cls.stacked_context_mask(generators, lengths)
         hidden = torch.cat([generator.last_hidden for generator in generators])
         positions = torch.tensor([[ids.shape[1] - 1] for ids in input_ids], device=input_ids[0].device)
-        ids, previous = list(input_ids), None
-        live = [budget > 0 for budget in budgets]
-        tokens, all_logits = [[] for _ in generators], [[] for _ in generators]
+        draft, previous = BatchedDraft(generators, input_ids, budgets), None
         for step in range(max(budgets)):
             if step:
                 mask = torch.cat([context_mask, context_mask.new_ones(rows, 1, 1, step)], dim=-1)
                 hidden, past = drafter(hidden, first._embed(previous), positions + step, past, mask)
-            logits, chosen = cls.select_many(generators, ids, drafter.logits(hidden[:, -1], first.lm_head), live)
-            for row, generator in enumerate(generators):
-                if not live[row]:
-                    continue
-                tokens[row].append(chosen[row : row + 1])
-                all_logits[row].append(logits[row : row + 1])
-                ids[row] = torch.cat([ids[row], chosen[row : row + 1]], dim=-1)
-                live[row] = step + 1 < budgets[row] and generator.keep_drafting(input_ids[row].shape[1])
-            previous = chosen
-            if not any(live):
+            previous = draft.choose(drafter.logits(hidden[:, -1], first.lm_head), step)
+            if draft.done:
                 break
-        return [(torch.cat(t, dim=-1), torch.stack(l, dim=1)) for t, l in zip(tokens, all_logits)]
+        return draft.results()
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens).to(self.drafter.dtype)

@@ -17,6 +17,7 @@ from .configuration_angelspec_dfly import DFlyDrafterConfig
 from .modeling_angelspec_common import (
     AngelSpecCandidateGenerator,
     AngelSpecPreTrainedModel,
+    BatchedDraft,
     RMSNorm,
     SwiGLU,
     VocabSubsetHead,
@@ -309,28 +310,18 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
         num_tokens = max(budgets)
         z = drafter(first.embed_tokens(block_ids).to(drafter.dtype), positions, context_kv, mask)[:, 1 : num_tokens + 1]
         logits_all = drafter.logits(z, first.draft_lm_head) if drafter.hidden_correction is None else None
-        ids, previous = list(input_ids), anchors
-        live = [budget > 0 for budget in budgets]
-        tokens, all_logits = [[] for _ in generators], [[] for _ in generators]
+        draft, previous = BatchedDraft(generators, input_ids, budgets), anchors
         for index in range(num_tokens):
             if logits_all is None:
                 hidden = drafter.correct(z[:, index], first.embed_tokens(previous).to(drafter.dtype)[:, 0])
                 position_logits = drafter.logits(hidden, first.draft_lm_head)
             else:
                 position_logits = logits_all[:, index]
-            logits, chosen = cls.select_many(generators, ids, position_logits, live)
-            for row, generator in enumerate(generators):
-                if not live[row]:
-                    continue
-                tokens[row].append(chosen[row : row + 1])
-                all_logits[row].append(logits[row : row + 1])
-                ids[row] = torch.cat([ids[row], chosen[row : row + 1]], dim=-1)
-                live[row] = index + 1 < budgets[row] and (
-                    logits_all is not None or generator.keep_drafting(input_ids[row].shape[1]))
-            previous = chosen
-            if not any(live):
+            # Without the correction head all positions are scored at once, so the policy is not asked.
+            previous = draft.choose(position_logits, index, ask_policy=logits_all is None)
+            if draft.done:
                 break
-        return [(torch.cat(t, dim=-1), torch.stack(l, dim=1)) for t, l in zip(tokens, all_logits)]
+        return draft.results()
 
 DFlyDrafter.candidate_generator_class = DFlyCandidateGenerator
 DFlyDrafterConfig.register_for_auto_class()
