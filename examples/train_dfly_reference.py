@@ -19,6 +19,11 @@
         --from modeling-runs/dfly5/lk --lr 5e-4 --code-seed 1 --seed 5 \\
         --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
         --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code
+    python examples/train_dfly_reference.py dfly-code modeling-runs/dfly7 3000 0 100000 \\
+        --from modeling/SmolLM2-135M-Instruct-AngelSpec-DFly-Block8 --lr 5e-4 --code-seed 1 --seed 6 \\
+        --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct-math
 
 The first command trained the first shipped DFly drafter (over the full vocabulary; its 8192-token
 draft vocabulary was set afterwards with `angelspec-hf draft-vocab`); the second continued it
@@ -29,7 +34,11 @@ after it were worse); the third continued that on the same data in a new row ord
 rollouts in mixed precision (31 minutes; their target states were put into the feature cache first
 with `angelspec_hf.training.corpus.fill_feature_cache`, 5.5 minutes at two threads, so that the two
 runs did not both compute them) and the sixth made a
-second pass over that data into the shipped one (`modeling-runs/dfly6/lk`, 36 minutes).
+second pass over that data (`modeling-runs/dfly6/lk`, 36 minutes); the seventh added the steered
+Magpie math rollouts and cut the code corpus to 100k tokens, so that a fresh machine fills the
+feature cache for every row in about 20 minutes (one `fill_feature_cache` process per core), and
+continued the bfloat16 weights shipped before it (commit 294d445) into the shipped one
+(`modeling-runs/dfly7/lk`, 24 minutes).
 
 Stage 1 (LK + D-PACE) runs on standard-library code framed as replies to the training split of
 the code prompts (``corpus_tokens`` of it, files in ``--code-seed`` order), the target's code and
