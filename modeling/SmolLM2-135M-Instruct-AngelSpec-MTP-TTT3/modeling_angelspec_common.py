@@ -96,15 +96,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
-def causal_mask_with_prefix(num_queries: int, num_prefix: int, device: torch.device) -> torch.Tensor:
-    """Queries see every prefix key and causally the keys of their own chunk: (1, 1, q, prefix + q)."""
-    allowed = torch.ones(num_queries, num_prefix + num_queries, dtype=torch.bool, device=device)
-    allowed[:, num_prefix:] = torch.ones(num_queries, num_queries, dtype=torch.bool, device=device).tril()
-    return allowed[None, None]
-
-
 def stack_right_padded(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     """Concatenate batch-1 tensors along the batch, zero-padding each at the end of ``dim``."""
+    if len(tensors) == 1:
+        return tensors[0]  # one row (a `propose` outside the engine): nothing to pad, nothing to copy
     width = max(t.shape[dim] for t in tensors)
     padded = []
     for t in tensors:
@@ -310,7 +305,9 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
     The loop verifies, samples, crops the target cache, handles EOS, streamers and
     ``return_dict_in_generate``; this class only turns the verify forward's hidden states into the
     next draft. The target's embeddings and ``lm_head`` live here, never inside the drafter.
-    Subclasses implement ``ingest`` (append context of newly committed positions) and ``draft``.
+    Subclasses implement ``ingest`` (append context of newly committed positions) and ``draft``,
+    or, as ours do, their batched forms ``ingest_many`` and ``draft_many`` (one generator per row,
+    as the batched engine calls them), of which the single-row methods are the one-row case.
     """
 
     requires_model_outputs = True
@@ -489,44 +486,13 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             self.key_padding = torch.ones(1, self.committed, dtype=torch.bool, device=new.device)
         self.key_padding = torch.cat([self.key_padding, new], dim=-1)
 
-    def context_key_mask(self, num_queries: int, extra_keys: int, causal_extra: bool) -> torch.Tensor | None:
-        """Boolean mask (1, 1, q, committed + extra) over the drafter's context and new keys."""
-        if self.key_padding is None and not causal_extra:
-            return None
-        device = self.embed_tokens.weight.device
-        if causal_extra:
-            mask = causal_mask_with_prefix(num_queries, self.committed + extra_keys - num_queries, device)
-        else:
-            mask = torch.ones(1, 1, num_queries, self.committed + extra_keys, dtype=torch.bool, device=device)
-        if self.key_padding is not None:
-            padding = self.key_padding[:, None, None, :]
-            mask = mask.clone()
-            mask[..., : padding.shape[-1]] &= padding
-        return mask
-
-    def select(self, ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Process one position's logits exactly as the target's are, then pick the draft token.
-
-        Returns the processed float32 logits (the draft distribution q that speculative sampling
-        divides by) and the chosen token, shape (1, 1).
-        """
-        logits = logits.float()
-        if self.logits_processor is not None:
-            logits = self.logits_processor(ids, logits)
-        probabilities = logits.softmax(dim=-1) if self.do_sample or self.policy is not None else None
-        if self.do_sample:
-            token = torch.multinomial(probabilities, num_samples=1)
-        else:
-            token = logits.argmax(dim=-1, keepdim=True)
-        if self.policy is not None:
-            self.confidences.append(float(probabilities.gather(-1, token)[0, 0]))
-        return logits, token
-
     @staticmethod
     def select_many(generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor],
                     logits: torch.Tensor, live: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`select` for one position of several rows at once: ``logits`` (rows, V) -> processed
-        float32 logits (rows, V) and tokens (rows, 1). Only ``live`` rows record a confidence."""
+        """Process one draft position's logits of several rows exactly as the target's are, then pick
+        each row's token: ``logits`` (rows, V) -> processed float32 logits (rows, V), the draft
+        distribution q that speculative sampling divides by, and tokens (rows, 1). Only ``live``
+        rows record a confidence (for their draft policy)."""
         first = generators[0]
         logits = logits.float()
         if first.logits_processor is not None:

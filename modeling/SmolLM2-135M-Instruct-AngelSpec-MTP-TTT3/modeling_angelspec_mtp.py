@@ -198,31 +198,15 @@ class MTPDrafter(AngelSpecPreTrainedModel):
 
 
 class MTPCandidateGenerator(AngelSpecCandidateGenerator):
-    """Keeps the drafter's KV cache: committed positions from target features, then draft steps."""
+    """Keeps the drafter's KV cache of committed positions (from target features); drafts step by step."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.past: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_hidden: torch.Tensor | None = None
 
-    def _crop_to_committed(self) -> None:
-        if self.past is not None:
-            self.past = (self.past[0][:, :, : self.committed], self.past[1][:, :, : self.committed])
-
     def ingest(self, input_ids, features):
-        # Draft steps of the last round wrote entries computed from the drafter's own hidden
-        # states; the target has now verified those positions, so they are recomputed from its features.
-        self._crop_to_committed()
-        drafter = self.drafter
-        num_new = features[0].shape[1]
-        start = self.committed
-        tokens = input_ids[:, start + 1 : start + 1 + num_new]
-        positions = torch.arange(start, start + num_new, device=input_ids.device)[None]
-        mask = self.context_key_mask(num_new, num_new, causal_extra=True)
-        hidden, self.past = drafter(
-            drafter.fuse(features), self._embed(tokens), positions, self.past, mask
-        )
-        self.last_hidden = hidden[:, -1:]
+        self.ingest_many([self], [input_ids], [features])
 
     @classmethod
     def ingest_many(cls, generators, input_ids, features):
@@ -230,8 +214,6 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
         query sees its row's cache (stacked under a key mask) and its row's new keys causally."""
         first = generators[0]
         drafter = first.drafter
-        for generator in generators:
-            generator._crop_to_committed()
         counts = [row[0].shape[1] for row in features]
         width, device = max(counts), input_ids[0].device
         fused = stack_right_padded([drafter.fuse(row) for row in features], dim=1)
@@ -267,30 +249,13 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
         return self.embed_tokens.weight.new_zeros(1, attention.num_kv_heads, 0, attention.head_dim).to(self.drafter.dtype)
 
     def draft(self, input_ids, num_tokens):
-        drafter = self.drafter
-        ids, hidden = input_ids, self.last_hidden
-        tokens, all_logits = [], []
-        position = input_ids.shape[1] - 1
-        for step in range(num_tokens):
-            if step:
-                mask = self.context_key_mask(1, self.past[0].shape[2] - self.committed + 1, causal_extra=False)
-                hidden, self.past = drafter(
-                    hidden, self._embed(tokens[-1]), torch.tensor([[position]], device=ids.device), self.past, mask
-                )
-            logits, token = self.select(ids, drafter.logits(hidden[:, -1], self.lm_head))
-            tokens.append(token)
-            all_logits.append(logits)
-            ids = torch.cat([ids, token], dim=-1)
-            position += 1
-            if not self.keep_drafting(input_ids.shape[1]):
-                break
-        return torch.cat(tokens, dim=-1), torch.stack(all_logits, dim=1)
+        return self.draft_many([self], [input_ids], [num_tokens])[0]
 
     @classmethod
     def draft_many(cls, generators, input_ids, budgets):
-        """Each draft step runs once for all rows, over their caches stacked right-padded under a key
-        mask. The draft steps' own entries live only in the stacked copy: a row's cache keeps its
-        committed positions, which is all the next `ingest` keeps anyway."""
+        """Each draft step runs once for all rows (one row: `draft`), over their caches stacked
+        right-padded under a key mask. The draft steps' own entries live only in the stacked copy:
+        a row's cache holds exactly its committed positions, which the target has verified."""
         first = generators[0]
         drafter = first.drafter
         rows = len(generators)

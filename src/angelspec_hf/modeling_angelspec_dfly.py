@@ -234,8 +234,7 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
         self.draft_lm_head = self.drafter.draft_head(self.lm_head)
 
     def ingest(self, input_ids, features):
-        positions = torch.arange(self.committed, self.committed + features[0].shape[1], device=input_ids.device)[None]
-        self._append_context(self.drafter.context_keys_values(features, positions))
+        self.ingest_many([self], [input_ids], [features])
 
     @classmethod
     def ingest_many(cls, generators, input_ids, features):
@@ -258,39 +257,12 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
             ]
 
     def draft(self, input_ids, num_tokens):
-        drafter = self.drafter
-        config = drafter.config
-        anchor = input_ids[:, -1:]
-        block_ids = torch.cat([anchor, anchor.new_full((1, config.block_size - 1), config.mask_token_id)], dim=-1)
-        start = input_ids.shape[1] - 1
-        positions = torch.arange(start, start + config.block_size, device=input_ids.device)[None]
-        mask = self.context_key_mask(config.block_size, config.block_size, causal_extra=False)
-        z = drafter(self.embed_tokens(block_ids).to(drafter.dtype), positions, self.context_kv, mask)[:, 1 : num_tokens + 1]
-        # Without the correction head every position's logits are known at once: one lm_head call
-        # (the head is memory-bound, so k rows cost about what one row does).
-        logits_all = drafter.logits(z, self.draft_lm_head) if drafter.hidden_correction is None else None
-        ids, previous = input_ids, anchor
-        tokens, all_logits = [], []
-        for index in range(num_tokens):
-            if logits_all is None:
-                hidden = drafter.correct(z[:, index], self.embed_tokens(previous).to(drafter.dtype)[:, 0])
-                position_logits = drafter.logits(hidden, self.draft_lm_head)
-            else:
-                position_logits = logits_all[:, index]
-            logits, token = self.select(ids, position_logits)
-            tokens.append(token)
-            all_logits.append(logits)
-            ids = torch.cat([ids, token], dim=-1)
-            previous = token
-            if logits_all is None and not self.keep_drafting(input_ids.shape[1]):
-                break
-        return torch.cat(tokens, dim=-1), torch.stack(all_logits, dim=1)
-
+        return self.draft_many([self], [input_ids], [num_tokens])[0]
 
     @classmethod
     def draft_many(cls, generators, input_ids, budgets):
-        """One block forward for all rows: contexts stacked right-padded under a key mask; the
-        correction head then runs left to right over every row at once."""
+        """One block forward for all rows (one row: `draft`): contexts stacked right-padded under a
+        key mask; the correction head then runs left to right over every row at once."""
         first = generators[0]
         drafter, config = first.drafter, first.drafter.config
         rows, block = len(generators), config.block_size
@@ -309,6 +281,8 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
         positions = starts[:, None] + torch.arange(block, device=device)[None]
         num_tokens = max(budgets)
         z = drafter(first.embed_tokens(block_ids).to(drafter.dtype), positions, context_kv, mask)[:, 1 : num_tokens + 1]
+        # Without the correction head every position's logits are known at once: one lm_head call
+        # (the head is memory-bound, so k rows cost about what one row does).
         logits_all = drafter.logits(z, first.draft_lm_head) if drafter.hidden_correction is None else None
         draft, previous = BatchedDraft(generators, input_ids, budgets), anchors
         for index in range(num_tokens):
