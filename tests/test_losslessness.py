@@ -1,7 +1,10 @@
 """Greedy speculative output must be token-identical to plain ``target.generate``."""
 
+import copy
+
 import pytest
 import torch
+from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import DRAFTER_KINDS, FAMILIES, PROMPT_LENGTH, build_drafter
@@ -66,7 +69,7 @@ def test_eos_stops_like_plain_generate(targets, kind):
     assert int(speculative[0, -1]) == eos and speculative.shape[1] < free.shape[1]
 
 
-@pytest.mark.parametrize("kind", ["mtp-reduced", "dfly-global-nocorr"])
+@pytest.mark.parametrize("kind", ["mtp-reduced", "dfly-global-nocorr", "dfly-hybrid-corr-reduced"])
 def test_logits_processors_greedy(targets, kind):
     target, drafter = targets.target("qwen3"), targets.fitted("qwen3", kind)
     for prompt in evaluation_prompts(targets, "qwen3")[:3]:
@@ -74,6 +77,23 @@ def test_logits_processors_greedy(targets, kind):
             target, drafter, prompt, max_new_tokens=25, eos_token_id=None, repetition_penalty=1.3, no_repeat_ngram_size=3
         )
         assert torch.equal(plain, speculative)
+
+
+def test_bfloat16_drafter_scores_its_draft_vocabulary_in_bfloat16(targets):
+    """A bfloat16 drafter on a float32 target drafts with a bfloat16 copy of its vocabulary's rows of
+    the target head (half the bytes each draft step reads); the output is still the target's own."""
+    target = targets.target("llama")
+    drafter = copy.deepcopy(targets.fitted("llama", "dfly-hybrid-corr-reduced")).to(torch.bfloat16)
+    generator = drafter.get_candidate_generator(target=target, generation_config=GenerationConfig(max_length=60),
+                                                logits_processor=None)
+    assert generator.draft_lm_head.weight.dtype == torch.bfloat16
+    assert target.lm_head.weight.dtype == torch.float32
+    accepted = 0
+    for prompt in evaluation_prompts(targets, "llama"):
+        plain, speculative = plain_and_speculative(target, drafter, prompt, max_new_tokens=20, eos_token_id=None)
+        assert torch.equal(plain, speculative)
+        accepted += sum(drafter.last_speculation_stats.accepted)
+    assert accepted > 0
 
 
 def test_return_dict_scores_and_hidden_states(targets):

@@ -139,17 +139,23 @@ def sorted_draft_token_ids(token_ids, vocab_size: int, draft_vocab_size: int | N
 
 
 class VocabSubsetHead:
-    """The rows of a target ``lm_head`` for a draft vocabulary, gathered once per generate call."""
+    """The rows of a target ``lm_head`` for a draft vocabulary, gathered once per generate call.
 
-    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor, vocab_size: int):
-        self.weight = lm_head.weight.detach()[token_ids]
+    ``dtype`` (default: the head's own) lets drafting score in the drafter's precision: a bfloat16
+    copy halves the bytes each sequential draft step reads, and a draft's precision cannot change
+    the output (the target verifies every token; sampling divides by the q that was sampled from).
+    Training keeps the head's dtype, since the target side of its loss is scored here too.
+    """
+
+    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype | None = None):
+        self.weight = lm_head.weight.detach()[token_ids].to(dtype or lm_head.weight.dtype)
         bias = getattr(lm_head, "bias", None)
-        self.bias = None if bias is None else bias.detach()[token_ids]
+        self.bias = None if bias is None else bias.detach()[token_ids].to(self.weight.dtype)
         self.token_ids, self.vocab_size = token_ids, vocab_size
 
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the draft-vocabulary tokens only, in ``token_ids`` order."""
-        return F.linear(hidden, self.weight, self.bias)
+        return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return expand_to_vocab(self.subset_logits(hidden), self.token_ids, self.vocab_size)
@@ -267,19 +273,34 @@ class SpeculationStats:
 
 class BatchedDraft:
     """Per-row bookkeeping of a draft made for several rows at once: each row keeps the tokens and
-    processed logits chosen for it until its budget is spent or its draft policy stops it."""
+    processed logits chosen for it until its budget is spent or its draft policy stops it.
+
+    ``token_ids`` names the target ids of the logits' columns when a drafter scores a reduced draft
+    vocabulary only. Without logits processors (which read the full vocabulary) the tokens are
+    picked in that smaller space, and the logits are spread over the target vocabulary once per
+    round in `results`, not once per drafted position.
+    """
 
     def __init__(self, generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor],
-                 budgets: list[int]):
+                 budgets: list[int], token_ids: torch.Tensor | None = None):
         self.generators, self.input_ids, self.budgets = generators, input_ids, budgets
         self.ids = list(input_ids)
         self.live = [budget > 0 for budget in budgets]
         self.tokens: list[list[torch.Tensor]] = [[] for _ in generators]
         self.logits: list[list[torch.Tensor]] = [[] for _ in generators]
+        self.token_ids, self.vocab_size = token_ids, generators[0].drafter.config.vocab_size
+        # Logits processors read the full vocabulary: with them each position is spread at once.
+        self.spread_each_step = token_ids is not None and generators[0].logits_processor is not None
+        self.in_draft_columns = token_ids is not None and not self.spread_each_step
 
     def choose(self, position_logits: torch.Tensor, step: int, ask_policy: bool = True) -> torch.Tensor:
-        """Pick every row's token at draft position ``step`` from (rows, V) logits; tokens (rows, 1)."""
+        """Pick every row's token at draft position ``step`` from (rows, columns) logits; target
+        token ids (rows, 1)."""
+        if self.spread_each_step:
+            position_logits = expand_to_vocab(position_logits, self.token_ids, self.vocab_size)
         logits, chosen = AngelSpecCandidateGenerator.select_many(self.generators, self.ids, position_logits, self.live)
+        if self.in_draft_columns:
+            chosen = self.token_ids[chosen]
         for row, generator in enumerate(self.generators):
             if not self.live[row]:
                 continue
@@ -296,7 +317,13 @@ class BatchedDraft:
 
     def results(self) -> list[tuple[torch.LongTensor, torch.Tensor]]:
         """Per row: draft tokens (1, n) and their processed logits (1, n, V)."""
-        return [(torch.cat(tokens, dim=-1), torch.stack(logits, dim=1)) for tokens, logits in zip(self.tokens, self.logits)]
+        results = []
+        for tokens, logits in zip(self.tokens, self.logits):
+            logits = torch.stack(logits, dim=1)
+            if self.in_draft_columns:
+                logits = expand_to_vocab(logits, self.token_ids, self.vocab_size)
+            results.append((torch.cat(tokens, dim=-1), logits))
+        return results
 
 
 class AngelSpecCandidateGenerator(CandidateGenerator):
@@ -491,8 +518,9 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
                     logits: torch.Tensor, live: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """Process one draft position's logits of several rows exactly as the target's are, then pick
         each row's token: ``logits`` (rows, V) -> processed float32 logits (rows, V), the draft
-        distribution q that speculative sampling divides by, and tokens (rows, 1). Only ``live``
-        rows record a confidence (for their draft policy)."""
+        distribution q that speculative sampling divides by, and tokens (rows, 1) (column indices:
+        `BatchedDraft` maps them to target ids when the columns are a draft vocabulary). Only
+        ``live`` rows record a confidence (for their draft policy)."""
         first = generators[0]
         logits = logits.float()
         if first.logits_processor is not None:

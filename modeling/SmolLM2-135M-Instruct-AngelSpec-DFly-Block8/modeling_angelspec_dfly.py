@@ -166,14 +166,22 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
             return self.logits(z, target_lm_head)
         return self.draft_head(target_lm_head).subset_logits(self.final_norm(z).to(target_lm_head.weight.dtype))
 
-    def draft_head(self, target_lm_head: nn.Module):
-        """The head drafting uses: the target's, or only its draft-vocabulary rows (gather once per call).
+    def draft_head(self, target_lm_head: nn.Module, dtype: torch.dtype | None = None):
+        """The head drafting uses: the target's, or only its draft-vocabulary rows (gather once per
+        call), those optionally copied in ``dtype`` (see `VocabSubsetHead`).
 
         A reduced vocabulary can also be set after training on the full one (`set_draft_vocab`).
         """
         if not self.config.uses_reduced_vocab:
             return target_lm_head
-        return VocabSubsetHead(target_lm_head, self.draft_vocab, self.config.vocab_size)
+        return VocabSubsetHead(target_lm_head, self.draft_vocab, self.config.vocab_size, dtype)
+
+    def draft_logits(self, z: torch.Tensor, head) -> torch.Tensor:
+        """Drafting's logits from a `draft_head`: over its draft-vocabulary columns for a reduced
+        head (`BatchedDraft` maps the picks to target ids), else over the target vocabulary."""
+        if isinstance(head, VocabSubsetHead):
+            return head.subset_logits(self.final_norm(z))
+        return self.logits(z, head)
 
     def draft_token_ids(self) -> torch.Tensor:
         """Target ids the drafter may propose (all of them without a reduced vocabulary)."""
@@ -231,7 +239,7 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.draft_lm_head = self.drafter.draft_head(self.lm_head)
+        self.draft_lm_head = self.drafter.draft_head(self.lm_head, dtype=self.drafter.dtype)
 
     def ingest(self, input_ids, features):
         self.ingest_many([self], [input_ids], [features])
@@ -283,12 +291,14 @@ class DFlyCandidateGenerator(AngelSpecCandidateGenerator):
         z = drafter(first.embed_tokens(block_ids).to(drafter.dtype), positions, context_kv, mask)[:, 1 : num_tokens + 1]
         # Without the correction head every position's logits are known at once: one lm_head call
         # (the head is memory-bound, so k rows cost about what one row does).
-        logits_all = drafter.logits(z, first.draft_lm_head) if drafter.hidden_correction is None else None
-        draft, previous = BatchedDraft(generators, input_ids, budgets), anchors
+        head = first.draft_lm_head
+        logits_all = drafter.draft_logits(z, head) if drafter.hidden_correction is None else None
+        token_ids = head.token_ids if isinstance(head, VocabSubsetHead) else None
+        draft, previous = BatchedDraft(generators, input_ids, budgets, token_ids), anchors
         for index in range(num_tokens):
             if logits_all is None:
                 hidden = drafter.correct(z[:, index], first.embed_tokens(previous).to(drafter.dtype)[:, 0])
-                position_logits = drafter.logits(hidden, first.draft_lm_head)
+                position_logits = drafter.draft_logits(hidden, head)
             else:
                 position_logits = logits_all[:, index]
             # Without the correction head all positions are scored at once, so the policy is not asked.

@@ -264,12 +264,14 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
         context_mask = cls.stacked_context_mask(generators, lengths)
         hidden = torch.cat([generator.last_hidden for generator in generators])
         positions = torch.tensor([[ids.shape[1] - 1] for ids in input_ids], device=input_ids[0].device)
-        draft, previous = BatchedDraft(generators, input_ids, budgets), None
+        # A reduced head's picks are made over its own columns and mapped to target ids.
+        token_ids = drafter.draft_token_ids() if drafter.lm_head is not None else None
+        draft, previous = BatchedDraft(generators, input_ids, budgets, token_ids), None
         for step in range(max(budgets)):
             if step:
                 mask = torch.cat([context_mask, context_mask.new_ones(rows, 1, 1, step)], dim=-1)
                 hidden, past = drafter(hidden, first._embed(previous), positions + step, past, mask)
-            previous = draft.choose(drafter.logits(hidden[:, -1], first.lm_head), step)
+            previous = draft.choose(drafter.vocab_logits(hidden[:, -1], first.lm_head), step)
             if draft.done:
                 break
         return draft.results()
