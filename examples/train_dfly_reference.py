@@ -61,14 +61,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModel
-
 import angelspec_hf  # noqa: F401
 from _flags import option, options
 from angelspec_hf.reference import load_reference_target
 from angelspec_hf.training.corpus import framed_code_sequences
 from angelspec_hf.training.data import rollout_sequences
-from angelspec_hf.training.recipes import Recipe, train_drafter
+from angelspec_hf.training.recipes import Recipe, continued_drafter, train_drafter
 
 
 torch.set_num_threads(1)
@@ -89,7 +87,8 @@ print("stage 1 data:", len(corpus), "code chunks,", len(math_rows), "math corpus
 recipe = Recipe(name=name, lk_steps=lk_steps, tv_steps=0, batch_size=4, num_anchors=24, logging_steps=10,
                 learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"),
                 seed=int(option("--seed", 0)), bf16="--bf16" in sys.argv)
-drafter = AutoModel.from_pretrained(option("--from")).float().train() if option("--from") else None
+grow = int(option("--grow")) if option("--grow") else None
+drafter = continued_drafter(option("--from"), recipe, grow) if option("--from") else None
 drafter = train_drafter(target, corpus + math_rows + rollouts * 2, out, recipe, pad_token_id=tokenizer.eos_token_id,
                         drafter=drafter)
 rollouts = read_rollouts()

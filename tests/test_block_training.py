@@ -6,8 +6,10 @@ import json
 import torch
 from transformers import AutoModel
 
-from angelspec_hf import DFlyDrafter
-from angelspec_hf.training.block import block_attention_mask, block_loss, sample_anchors
+import pytest
+
+from angelspec_hf import DFlyDrafter, MTPDrafter
+from angelspec_hf.training.block import block_attention_mask, block_loss, grow_layers, sample_anchors
 from angelspec_hf.training.recipes import Recipe, train_drafter
 from conftest import PROMPT_LENGTH
 from fitting import target_features
@@ -173,3 +175,79 @@ def test_train_command_passes_bf16_to_the_recipe(monkeypatch, tmp_path):
                                               "--eval-per-set", "0", "--output", str(tmp_path / "out"), *flags])
         assert args.handler(args) == 0
     assert [recipe.bf16 for recipe in recipes_seen] == [True, False]
+
+
+@pytest.mark.parametrize("kind", ["dfly-hybrid-corr-reduced", "dfly-global-nocorr", "dfly-layerwise-corr"])
+def test_grown_drafter_drafts_what_it_grew_from_and_trains_its_new_layers(targets, tmp_path, kind):
+    target, sequence = targets.target("llama"), targets.sequences("llama")[:2]
+    drafter = targets.fitted("llama", kind)
+    grown = grow_layers(drafter, drafter.config.num_hidden_layers + 2)
+    assert grown.config.num_hidden_layers == len(grown.layers) == drafter.config.num_hidden_layers + 2
+    assert drafter.config.num_hidden_layers == len(drafter.layers), "the drafter grown from is left as it was"
+    out = target.base_model(sequence, output_hidden_states=[i + 1 for i in drafter.config.target_layer_ids])
+    features = [out.hidden_states[i + 1] for i in drafter.config.target_layer_ids]
+    anchors = sample_anchors(torch.tensor([PROMPT_LENGTH] * 2), torch.tensor([sequence.shape[1]] * 2), 8, 5,
+                             generator=torch.Generator().manual_seed(0))
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        before = block_loss(drafter, features, sequence, out.last_hidden_state, embed, head, anchors)
+    after = block_loss(grown.train(), features, sequence, out.last_hidden_state, embed, head, anchors)
+    torch.testing.assert_close(after.loss, before.loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(after.greedy_match, before.greedy_match)
+    after.loss.backward()
+    new = grown.layers[-1]
+    assert new.o_proj.weight.grad.abs().sum() > 0 and new.mlp.down_proj.weight.grad.abs().sum() > 0
+    # The same drafts through generate, and a round trip through save_pretrained / AutoModel.
+    prompt = sequence[:1, :PROMPT_LENGTH]
+    grown.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert len(loaded.layers) == len(grown.layers)
+    original = target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    original_stats = drafter.last_speculation_stats.as_dict()
+    again = target.generate(prompt, assistant_model=loaded, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert torch.equal(again, original)
+    assert loaded.last_speculation_stats.as_dict() == original_stats
+
+
+def test_grow_layers_refuses_fewer_layers_and_other_drafters(targets):
+    target = targets.target("llama")
+    drafter = DFlyDrafter.from_target(target, block_size=4)
+    with pytest.raises(ValueError, match="more layers than the drafter's 2"):
+        grow_layers(drafter, 2)
+    with pytest.raises(TypeError, match="block"):
+        grow_layers(MTPDrafter.from_target(target), 3)
+
+
+def test_train_command_continues_and_grows_a_drafter(targets, monkeypatch, tmp_path):
+    """`train --from DIR --grow-layers N` trains the saved drafter grown to N layers (recorded in the
+    recipe); a drafter of another variant than the recipe, or growing without --from, is refused."""
+    from types import SimpleNamespace
+
+    from angelspec_hf import cli
+    from angelspec_hf.errors import DrafterConfigError
+    from angelspec_hf.training import recipes
+
+    seen = []
+    monkeypatch.setattr(cli, "load_target", lambda name: (object(), SimpleNamespace(eos_token_id=0)))
+    monkeypatch.setattr(recipes, "train_drafter",
+                        lambda target, rows, output, recipe, **kwargs: seen.append((recipe, kwargs["drafter"])))
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text(json.dumps({"prompt_ids": list(range(3, 9)), "response_ids": list(range(9, 60))}) + "\n")
+    saved = tmp_path / "dfly"
+    targets.fitted("llama", "dfly-hybrid-corr").save_pretrained(saved)
+
+    def train(*flags):
+        args = cli.build_parser().parse_args(["train", "--data", str(rollouts), "--corpus-tokens", "0", "--eval-per-set",
+                                              "0", "--output", str(tmp_path / "out"), *flags])
+        return args.handler(args)
+
+    assert train("--recipe", "dfly-code", "--from", str(saved), "--grow-layers", "4") == 0
+    recipe, drafter = seen[-1]
+    assert recipe.num_hidden_layers == len(drafter.layers) == 4 and drafter.training
+    assert drafter.dtype == torch.float32
+    assert train("--recipe", "dfly-code", "--from", str(saved)) == 0
+    assert seen[-1][0].num_hidden_layers == len(seen[-1][1].layers) == 2
+    with pytest.raises(DrafterConfigError, match="dflash-code"):
+        train("--recipe", "dflash-code", "--from", str(saved))
+    with pytest.raises(SystemExit, match="--from"):
+        train("--recipe", "dfly-code", "--grow-layers", "4")

@@ -213,8 +213,10 @@ def run_rollouts(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     from .training.corpus import framed_code_sequences
     from .training.data import rollout_sequences
-    from .training.recipes import RECIPES, Recipe, train_drafter
+    from .training.recipes import RECIPES, Recipe, continued_drafter, train_drafter
 
+    if args.grow_layers is not None and not args.from_drafter:
+        raise SystemExit("--grow-layers grows a trained drafter: give it with --from DIR (a new one takes --layers)")
     target, tokenizer = load_target(args.target)
     rollouts = rollout_sequences(jsonl_files(args.data), seq_len=args.rollout_length) if args.data else []
     corpus_tokens = args.corpus_tokens
@@ -229,9 +231,10 @@ def run_train(args: argparse.Namespace) -> int:
                     lk_steps=args.lk_steps, tv_steps=args.tv_steps, batch_size=args.batch_size,
                     num_anchors=args.anchors, learning_rate=args.learning_rate, seed=args.seed,
                     feature_cache=args.feature_cache, bf16=args.bf16)
+    drafter = continued_drafter(args.from_drafter, recipe, args.grow_layers) if args.from_drafter else None
     finish = (rollouts + corpus[: len(rollouts) // 2]) if rollouts else None
     train_drafter(target, corpus + rollouts * 2, args.output, recipe, pad_token_id=tokenizer.eos_token_id,
-                  finish_rows=finish, resume=args.resume)
+                  finish_rows=finish, resume=args.resume, drafter=drafter)
     if args.eval_per_set:
         domains = ["chat"] if RECIPES[args.recipe][0] == "mtp" else ["code", "math"]
         evaluate_into_card(target, tokenizer, Path(args.output) / "final", domains, args.eval_per_set, 128)
@@ -476,6 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--resume", action="store_true", help="continue from the last Trainer checkpoint")
+    train.add_argument("--from", dest="from_drafter", default=None,
+                       help="continue this trained drafter (directory or Hub id) instead of starting a new one; "
+                            "it keeps its own layers and draft vocabulary")
+    train.add_argument("--grow-layers", type=int, default=None,
+                       help="with --from and a block recipe: first append draft layers up to this many, each starting "
+                            "as the identity (a copy of the last layer with its output projections zeroed), so the "
+                            "drafter starts from what it drafts now with more capacity")
     train.add_argument("--bf16", action="store_true",
                        help="mixed precision: the drafter's matmuls in bfloat16 (GPUs, and CPUs with AMX: 1.4-1.6x faster "
                             "steps measured); weights, losses and the target's soft labels stay float32")

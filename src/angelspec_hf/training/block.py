@@ -9,10 +9,12 @@ correction head is teacher-forced with the sequence's token at ``p+j-1``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 
+from ..modeling_angelspec_dfly import DFlyDrafter
 from .losses import (
     acceptance_probability,
     dpace_weights,
@@ -59,6 +61,36 @@ def sample_anchors(loss_start: torch.Tensor, lengths: torch.Tensor, block_size: 
             picks = picks[torch.arange(num_anchors) % picks.numel()]
         anchors.append(picks.sort().values)
     return torch.stack(anchors).to(loss_start.device)
+
+
+def grow_layers(drafter, num_hidden_layers: int):
+    """A copy of a trained block drafter with draft layers appended that start as the identity.
+
+    Each new layer is a copy of the last trained one (its per-layer mix of target layers too) with
+    the attention output and MLP down projections zeroed, so its residual branches add nothing: the
+    grown drafter drafts exactly what ``drafter`` does, and training continues from there with
+    more capacity instead of from scratch. Gradients reach the zeroed projections at once (their
+    inputs are the copied layer's activations) and the rest of each new layer once they move.
+    """
+    if not isinstance(drafter, DFlyDrafter):
+        raise TypeError(f"grow_layers grows block (DFly/DFlash/DFlare) drafters; got {type(drafter).__name__}.")
+    old = drafter.config.num_hidden_layers
+    if not isinstance(num_hidden_layers, int) or num_hidden_layers <= old:
+        raise ValueError(f"grow_layers needs more layers than the drafter's {old}; got {num_hidden_layers!r}.")
+    config = copy.deepcopy(drafter.config)
+    config.num_hidden_layers = num_hidden_layers
+    grown = DFlyDrafter(config).to(device=drafter.device, dtype=drafter.dtype)
+    state = drafter.state_dict()
+    last = {key.split(".", 2)[2]: value for key, value in state.items() if key.startswith(f"layers.{old - 1}.")}
+    for index in range(old, num_hidden_layers):
+        state.update({f"layers.{index}.{name}": value.clone() for name, value in last.items()})
+        state[f"layers.{index}.o_proj.weight"] = torch.zeros_like(last["o_proj.weight"])
+        state[f"layers.{index}.mlp.down_proj.weight"] = torch.zeros_like(last["mlp.down_proj.weight"])
+    if "layer_fusion_weights" in state:
+        mixes = state["layer_fusion_weights"]
+        state["layer_fusion_weights"] = torch.cat([mixes, mixes[-1:].expand(num_hidden_layers - old, -1)])
+    grown.load_state_dict(state, strict=True)
+    return grown.train(drafter.training)
 
 
 def block_attention_mask(anchors: torch.Tensor, block_size: int, context_length: int) -> torch.Tensor:

@@ -17,8 +17,10 @@ import torch
 from datasets import Dataset
 from transformers import TrainingArguments
 
+from ..errors import DrafterConfigError
 from ..modeling_angelspec_dfly import DFlyDrafter
 from ..modeling_angelspec_mtp import MTPDrafter
+from .block import grow_layers
 from .trainer import DrafterTrainer, SequenceCollator
 
 logger = logging.getLogger(__name__)
@@ -104,6 +106,31 @@ def new_drafter(target, recipe: Recipe, token_counts: torch.Tensor | None = None
     return MTPDrafter.from_target(target, num_draft_tokens=recipe.num_draft_tokens,
                                   draft_vocab_size=None if ids is not None else recipe.draft_vocab_size,
                                   draft_token_ids=ids, **overrides)
+
+
+def continued_drafter(path: str | os.PathLike, recipe: Recipe, grow_to: int | None = None):
+    """A trained drafter from ``path`` to continue with ``recipe``, in float32 for training.
+
+    ``grow_to`` appends block-drafter layers that start as the identity (`grow_layers`), so a
+    trained drafter gains capacity without starting over. A drafter of another family or variant
+    than the recipe trains is refused: its switches, not the recipe's, would be trained.
+    """
+    from transformers import AutoModel
+
+    drafter = AutoModel.from_pretrained(path).float().train()
+    family, overrides, _ = RECIPES[recipe.name]
+    expected = DFlyDrafter if family == "dfly" else MTPDrafter
+    differing = {key: getattr(drafter.config, key, None) for key, value in overrides.items()
+                 if getattr(drafter.config, key, None) != value}
+    if not isinstance(drafter, expected) or differing:
+        raise DrafterConfigError(
+            f"{path} holds a {type(drafter).__name__} ({differing or 'another family'}) that recipe {recipe.name!r} "
+            f"does not train ({expected.__name__} with {overrides}); continue it with the recipe it was trained with.")
+    if grow_to is not None:
+        drafter = grow_layers(drafter, grow_to)
+    if family == "dfly":
+        recipe.num_hidden_layers = drafter.config.num_hidden_layers
+    return drafter
 
 
 def frequent_token_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
