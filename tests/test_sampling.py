@@ -109,3 +109,25 @@ def test_control_detects_verification_that_accepts_every_draft(small_target, mon
     plain = plain_samples(small_target, seed=1)
     biased, _ = speculative_samples(small_target, drafters(small_target)["dfly"], seed=2)
     assert min_p_value(plain, biased) < MIN_P_VALUE
+
+
+def test_sampling_without_warpers_over_draft_vocabulary_columns(small_target, monkeypatch):
+    """With no logits processor at all (temperature 1, no top-k/top-p), a reduced drafter samples over
+    its own columns and spreads q over the vocabulary once per round: the output is still the
+    target's distribution."""
+    from angelspec_hf.modeling_angelspec_common import AngelSpecCandidateGenerator
+
+    drafter = drafters(small_target)["dfly-reduced"]
+    processors_seen = []
+    original = AngelSpecCandidateGenerator.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        processors_seen.append(self.logits_processor)
+
+    monkeypatch.setattr(AngelSpecCandidateGenerator, "__init__", spy)
+    plain = plain_samples(small_target, seed=1, top_k=0)
+    speculative, accepted = speculative_samples(small_target, drafter, seed=2, top_k=0)
+    assert processors_seen and all(p is None for p in processors_seen), "the processor-free path must run"
+    assert accepted > SAMPLES // 4
+    assert min_p_value(plain, speculative) > MIN_P_VALUE
