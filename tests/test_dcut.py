@@ -43,13 +43,14 @@ def test_best_cut_extremes_by_hand():
     assert best_cut([0.9, 0.5], lambda n: 1 + 0.5 * (n - 1)) == 1
 
 
-def test_cost_model_is_monotone_interpolates_and_round_trips(tmp_path, caplog):
+def test_cost_model_is_monotone_in_context_interpolates_and_round_trips(tmp_path, caplog):
     model = CostModel(target="t", hardware="elsewhere", tokens=[1, 4], contexts=[10, 100],
-                      seconds=[[1.0, 2.0], [0.5, 4.0]])
-    assert model.seconds == [[[1.0, 2.0], [1.0, 4.0]]]  # 4 tokens never cheaper than 1; batch 1 only
-    assert model.verify_seconds(1, 55) == pytest.approx(1.5)
+                      seconds=[[2.0, 1.0], [0.5, 4.0]])
+    # More context never costs less; more tokens may (a CPU's kernels for few rows can be slower).
+    assert model.seconds == [[[2.0, 2.0], [0.5, 4.0]]]  # batch 1 only
+    assert model.verify_seconds(1, 55) == pytest.approx(2.0)
     assert model.verify_seconds(4, 1000) == pytest.approx(4.0)
-    assert model.verify_seconds(2.5, 55) == pytest.approx(2.0)
+    assert model.verify_seconds(2.5, 55) == pytest.approx((2.0 + 2.25) / 2)
     with caplog.at_level(logging.WARNING):
         loaded = CostModel.load(model.save(tmp_path / "profile.json"))
     assert loaded.seconds == model.seconds and "re-run `angelspec-hf profile`" in caplog.text
@@ -219,11 +220,48 @@ def test_worth_extending_matches_the_brute_force_optimum():
     """Stopping where extending no longer pays never stops before the optimum of the full draft."""
     from angelspec_hf.generation.dcut import worth_extending
 
-    model = linear_cost(0.1, 0.03)
-    verify = lambda n: model.verify_seconds(n, 100)  # noqa: E731
-    generator = torch.Generator().manual_seed(3)
-    for _ in range(100):
-        confidences = sorted(torch.rand(7, generator=generator).tolist(), reverse=True)
-        survival = torch.tensor(confidences).cumprod(0).tolist()
-        stop = next((j for j in range(1, 8) if not worth_extending(survival[:j], verify)), 7)
-        assert stop >= brute_force(confidences, verify)
+    # A linear cost, and one measured shape: 2 tokens dearer than 4 or 8 (MKL's few-row kernels).
+    measured = CostModel(target="t", hardware="t", tokens=[1, 2, 4, 8, 16], contexts=[0, 4096],
+                         seconds=[[0.059] * 2, [0.124] * 2, [0.121] * 2, [0.102] * 2, [0.112] * 2])
+    for model in (linear_cost(0.1, 0.03), measured):
+        verify = lambda n: model.verify_seconds(n, 100)  # noqa: E731
+        generator = torch.Generator().manual_seed(3)
+        for _ in range(100):
+            confidences = sorted(torch.rand(7, generator=generator).tolist(), reverse=True)
+            survival = torch.tensor(confidences).cumprod(0).tolist()
+            stop = next((j for j in range(1, 8) if not worth_extending(survival[:j], verify, 7)), 7)
+            assert stop >= brute_force(confidences, verify)
+    # A cost that dips after a rise: a one-step look-ahead stops after one draft (the second costs
+    # 1.2 more for at most 0.9 tokens), but the third makes the window cheaper again and both pay.
+    dip = {1: 1.0, 2: 1.2, 3: 2.4, 4: 1.3}
+    assert brute_force([0.9] * 3, dip.get) == 3
+    assert worth_extending([0.9], dip.get, 3) and worth_extending([0.9, 0.81], dip.get, 3)
+    assert not worth_extending([0.9, 0.81, 0.729], dip.get, 3)
+
+
+def test_saved_profiles_of_an_older_format_are_measured_again(targets, tmp_path, monkeypatch):
+    """A profile saved before new tokens stopped being forced monotone (format 1) would keep its
+    inflated multi-token costs: `load_or_profile` measures again; a current one is read back."""
+    from angelspec_hf.generation import cost_model
+
+    monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path))
+    target = targets.target("llama")
+    measured = []
+
+    def fake_profile(target, name):
+        measured.append(name)
+        return CostModel(target=name, hardware=cost_model.hardware_id(), tokens=[1, 2], contexts=[0, 8],
+                         seconds=[[[1.0, 1.0], [0.5, 0.5]]] * 2, batch_sizes=[1, 4],
+                         profile_format=cost_model.PROFILE_FORMAT)
+
+    monkeypatch.setattr(cost_model, "profile_target", fake_profile)
+    path = cost_model.profile_path("tiny@float32")
+    old = CostModel(target="tiny@float32", hardware=cost_model.hardware_id(), tokens=[1, 2], contexts=[0, 8],
+                    seconds=[[[1.0, 1.0], [1.0, 1.0]]] * 2, batch_sizes=[1, 4])
+    old.save(path)
+    assert old.profile_format == 1
+    again = cost_model.load_or_profile(target, "tiny")
+    assert measured == ["tiny@float32"] and again.verify_seconds(2, 0) == pytest.approx(0.5)
+    reread = cost_model.load_or_profile(target, "tiny")
+    assert measured == ["tiny@float32"], "a current profile is not measured again"
+    assert reread.profile_format == cost_model.PROFILE_FORMAT and reread.verify_seconds(2, 0) == pytest.approx(0.5)

@@ -92,16 +92,18 @@ def best_window(survivals: list[list[float]], verify_seconds) -> int:
     return max(range(1, longest + 2), key=rate)
 
 
-def worth_extending(survival: list[float], verify_seconds) -> bool:
-    """Could one more position raise the best tokens-per-second rate of this prefix?
+def worth_extending(survival: list[float], verify_seconds, max_positions: int) -> bool:
+    """Could drafting more positions (up to ``max_positions`` in all) beat the best rate of this prefix?
 
-    A further position survives at most as often as the last one (``s_{j+1} <= s_j``), so adding
-    it helps only if ``s_j / (verify(j + 2) - verify(j + 1))`` beats the best rate so far.
+    Each further position survives at most as often as the last one (``s_{j+1} <= s_j``), so m more
+    positions add at most ``m * s_k`` expected tokens. Every m is tried, not only the next one,
+    because verification need not cost more for more tokens (a CPU's kernels for a few rows can be
+    slower than for eight), so a position that does not pay alone may pay with the ones after it.
     """
     k = len(survival)
-    rates = [expected_tokens(survival, j) / verify_seconds(j + 1) for j in range(k + 1)]
-    extra = verify_seconds(k + 2) - verify_seconds(k + 1)
-    return extra <= 0 or (survival[-1] if survival else 1.0) / extra > max(rates)
+    best = max(expected_tokens(survival, j) / verify_seconds(j + 1) for j in range(k + 1))
+    last, reached = (survival[-1] if survival else 1.0), expected_tokens(survival, k)
+    return any((reached + m * last) / verify_seconds(k + 1 + m) > best for m in range(1, max_positions - k + 1))
 
 
 class FixedLengthPolicy:
@@ -183,6 +185,7 @@ class DCutPolicy(_DraftGate):
         # backoff, 0.97x with it); in the engine, where a retry costs a whole batch, it pays.
         super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget)
         self.draft_seconds: float | None = None  # moving average of one round's drafting time
+        self.longest_draft: int | None = None  # the most positions a round has drafted (exploration rounds draft all)
 
     def verify(self, context: int):
         return lambda tokens: self.cost_model.verify_seconds(tokens, context)
@@ -191,10 +194,13 @@ class DCutPolicy(_DraftGate):
         """Asked after each drafted token, so that sequential drafters stop early (exploration rounds never do)."""
         if (self.decisions + 1) % self.explore_every == 0:
             return True
-        return worth_extending(survival_of([self.calibrator(c) for c in confidences]), self.verify(context))
+        most = self.longest_draft if self.longest_draft is not None else self.cost_model.tokens[-1] - 1
+        return worth_extending(survival_of([self.calibrator(c) for c in confidences]), self.verify(context),
+                               max(most, len(confidences)))
 
     def choose(self, confidences: list[float], context: int) -> int:
         self.decisions += 1
+        self.longest_draft = max(self.longest_draft or 0, len(confidences))
         if self.decisions % self.explore_every == 0:
             return len(confidences)
         calibrated = [self.calibrator(c) for c in confidences]
