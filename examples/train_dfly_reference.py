@@ -53,6 +53,8 @@ target's states per row on disk, ``--rollouts DIR`` (repeatable) reads the rollo
 instead of ``data/rollouts/SmolLM2-135M-Instruct`` (for example with the code and math Magpie rollouts
 as well, see data/README.md). ``--bf16`` trains in mixed precision (the drafter's matmuls in
 bfloat16; soft labels and weights float32), 1.4x (DFly) to 1.6x (MTP) faster steps on this AMX CPU.
+``--resume`` continues stage 1 from its last Trainer checkpoint (``out/checkpoints-lk``) after an
+interruption; pass the same ``--from``/``--grow`` so that the model has the checkpoint's shape.
 One torch thread, so that a second run can use the other core.
 """
 
@@ -90,7 +92,7 @@ recipe = Recipe(name=name, lk_steps=lk_steps, tv_steps=0, batch_size=4, num_anch
 grow = int(option("--grow")) if option("--grow") else None
 drafter = continued_drafter(option("--from"), recipe, grow) if option("--from") else None
 drafter = train_drafter(target, corpus + math_rows + rollouts * 2, out, recipe, pad_token_id=tokenizer.eos_token_id,
-                        drafter=drafter)
+                        drafter=drafter, resume="--resume" in sys.argv)
 rollouts = read_rollouts()
 print("stage 2 data:", len(rollouts), "rollouts", flush=True)
 recipe.lk_steps, recipe.tv_steps = 0, tv_steps

@@ -62,6 +62,30 @@ def test_profile_target_measures_the_grid(targets):
     assert all(len(grid) == 2 and all(len(row) == 2 and all(v > 0 for v in row) for row in grid) for grid in model.seconds)
 
 
+def test_profile_target_survives_a_slow_spell(targets, monkeypatch):
+    """A slow spell of the machine that covers one point's consecutive forwards must not price that
+    point high: each point's timings come from separate sweeps over the grid (on a fake clock,
+    every forward costs 1 ms per row and token; seven consecutive forwards cost 50x that)."""
+    from angelspec_hf.generation import cost_model
+
+    target = targets.target("llama")
+    clock, calls = [0.0], [0]
+
+    def forward_cost(module, args, kwargs, output):
+        ids = args[0] if args else kwargs["input_ids"]
+        calls[0] += 1
+        clock[0] += 1e-3 * ids.numel() * (50 if 20 <= calls[0] < 27 else 1)
+
+    handle = target.register_forward_hook(forward_cost, with_kwargs=True)
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: clock[0])
+    try:
+        model = profile_target(target, "tiny", tokens=(1, 4), contexts=(8, 16), batch_sizes=(1, 2))
+    finally:
+        handle.remove()
+    expected = [1e-3 * b * n for b in (1, 2) for n in (1, 4) for _ in (8, 16)]
+    assert [v for table in model.seconds for row in table for v in row] == pytest.approx(expected)
+
+
 def test_cost_model_batch_axis_interpolates_and_extrapolates():
     # 1 row: 1.0 s for 1 token, 2.0 for 4; 4 rows: twice that.
     model = CostModel(target="t", hardware="t", tokens=[1, 4], contexts=[0, 100], batch_sizes=[1, 4],
@@ -240,7 +264,7 @@ def test_worth_extending_matches_the_brute_force_optimum():
 
 
 def test_saved_profiles_of_an_older_format_are_measured_again(targets, tmp_path, monkeypatch):
-    """A profile saved before new tokens stopped being forced monotone (format 1) would keep its
+    """A profile saved in an older format (here 1: new tokens forced monotone) would keep its
     inflated multi-token costs: `load_or_profile` measures again; a current one is read back."""
     from angelspec_hf.generation import cost_model
 

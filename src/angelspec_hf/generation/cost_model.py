@@ -25,7 +25,7 @@ from transformers import DynamicCache
 logger = logging.getLogger(__name__)
 
 
-PROFILE_FORMAT = 2  # what `profile_target` writes; `load_or_profile` re-measures older saved profiles
+PROFILE_FORMAT = 3  # what `profile_target` writes; `load_or_profile` re-measures older saved profiles
 
 
 def hardware_id() -> str:
@@ -48,7 +48,8 @@ class CostModel:
     contexts: list[int]
     seconds: list  # [len(batch_sizes)][len(tokens)][len(contexts)]
     batch_sizes: list[int] | None = None
-    # Profiles saved before format 2 stored a grid forced monotone in new tokens too (see below).
+    # Profiles saved before format 2 stored a grid forced monotone in new tokens too (see below);
+    # before format 3 each point's repeats were timed back to back (see `profile_target`).
     profile_format: int = 1
 
     def __post_init__(self):
@@ -108,7 +109,8 @@ def load_or_profile(target, target_name: str, refresh: bool = False) -> CostMode
         model = CostModel.load(path)
         if len(model.batch_sizes) > 1 and model.profile_format >= PROFILE_FORMAT:
             return model
-        logger.info("The saved profile %s is in an older format (no batch axis, or new tokens forced monotone): "
+        logger.info("The saved profile %s is in an older format (no batch axis, new tokens forced monotone, or "
+                    "repeats timed back to back): "
                     "profiling again.", path)
     model = profile_target(target, target_name)
     model.save(path)
@@ -135,36 +137,46 @@ def _interpolate_2d(rows: list[int], columns: list[int], grid: list[list[float]]
     return top * (1 - tr) + bottom * tr
 
 
-def _median_seconds(function, repeats: int) -> float:
+def _timed(function, repeats: int) -> list[float]:
     function()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         function()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 @torch.no_grad()
 def profile_target(target, name: str, tokens=(1, 2, 4, 8, 16), contexts=(64, 256, 768),
-                   batch_sizes=(1, 4, 16), repeats: int = 5) -> CostModel:
-    """Measure the target's forward time over a grid of batch size x new tokens x context length."""
+                   batch_sizes=(1, 4, 16), repeats: int = 2, sweeps: int = 3) -> CostModel:
+    """Measure the target's forward time over a grid of batch size x new tokens x context length.
+
+    Each point is the median of ``repeats`` timings in each of ``sweeps`` passes over the whole
+    grid, not of back-to-back timings: on a shared machine a slow spell lasts seconds, and when it
+    fell on one point's consecutive repeats it priced that point 50% high (measured here: 8 new
+    tokens at 155 ms where generate's verification forwards took 107 ms) and, made monotone in
+    context, every longer context with it.
+    """
     vocab = target.config.get_text_config().vocab_size
     device = target.device
-    grid = [[[0.0] * len(contexts) for _ in tokens] for _ in batch_sizes]
-    with tqdm(total=len(batch_sizes) * len(tokens) * len(contexts), desc="profiling target", unit="point") as bar:
-        for b, batch in enumerate(batch_sizes):
-            for j, context in enumerate(contexts):
-                cache = DynamicCache(config=target.config)
-                target(torch.randint(0, vocab, (batch, context), device=device), past_key_values=cache, use_cache=True)
-                for i, count in enumerate(tokens):
-                    new = torch.randint(0, vocab, (batch, count), device=device)
+    samples = [[[[] for _ in contexts] for _ in tokens] for _ in batch_sizes]
+    points = len(batch_sizes) * len(tokens) * len(contexts)
+    with tqdm(total=sweeps * points, desc="profiling target", unit="point") as bar:
+        for _ in range(sweeps):
+            for b, batch in enumerate(batch_sizes):
+                for j, context in enumerate(contexts):
+                    cache = DynamicCache(config=target.config)
+                    target(torch.randint(0, vocab, (batch, context), device=device), past_key_values=cache, use_cache=True)
+                    for i, count in enumerate(tokens):
+                        new = torch.randint(0, vocab, (batch, count), device=device)
 
-                    def step():
-                        target(new, past_key_values=cache, use_cache=True)
-                        cache.crop(-count)
+                        def step():
+                            target(new, past_key_values=cache, use_cache=True)
+                            cache.crop(-count)
 
-                    grid[b][i][j] = _median_seconds(step, repeats)
-                    bar.update(1)
+                        samples[b][i][j] += _timed(step, repeats)
+                        bar.update(1)
+    grid = [[[statistics.median(point) for point in row] for row in table] for table in samples]
     return CostModel(target=name, hardware=hardware_id(), tokens=list(tokens), contexts=list(contexts), seconds=grid,
                      batch_sizes=list(batch_sizes), profile_format=PROFILE_FORMAT)
