@@ -97,29 +97,52 @@ def test_cost_model_batch_axis_interpolates_and_extrapolates():
         CostModel(target="t", hardware="t", tokens=[1, 4], contexts=[0], batch_sizes=[1, 4], seconds=[[[1.0], [2.0]]])
 
 
-def brute_force_window(survivals, verify):
+def brute_force_window(survivals, verify, combine=sum):
     """Every combination of per-row draft lengths; a padded forward costs its widest window."""
     best, best_rate = None, -1.0
     for lengths in itertools.product(*(range(len(s) + 1) for s in survivals)):
         width = 1 + max(lengths)
-        rate = sum(1 + sum(s[:k]) for s, k in zip(survivals, lengths)) / verify(width)
+        rate = combine(1 + sum(s[:k]) for s, k in zip(survivals, lengths)) / verify(width)
         if rate > best_rate + 1e-12:
             best, best_rate = width, rate
     return best, best_rate
 
 
+@pytest.mark.parametrize("slowest_row", [False, True], ids=["summed", "slowest-row"])
 @pytest.mark.parametrize("per_token", [0.0, 0.02, 0.1, 0.3, 1.0])
-def test_best_window_is_the_brute_force_optimum_over_per_row_lengths(per_token):
+def test_best_window_is_the_brute_force_optimum_over_per_row_lengths(per_token, slowest_row):
     generator = torch.Generator().manual_seed(int(per_token * 100) + 1)
     verify = lambda width: 1.0 + per_token * (width - 1)  # noqa: E731
+    combine = min if slowest_row else sum
     for _ in range(30):
         survivals = []
         for length in torch.randint(0, 5, (3,), generator=generator).tolist():
             survivals.append(torch.rand(length, generator=generator).cumprod(0).tolist())
-        width = best_window(survivals, verify)
-        _, optimum = brute_force_window(survivals, verify)
-        rate = sum(1 + sum(s[: width - 1]) for s in survivals) / verify(width)
+        width = best_window(survivals, verify, slowest_row=slowest_row)
+        _, optimum = brute_force_window(survivals, verify, combine)
+        rate = combine(1 + sum(s[: width - 1]) for s in survivals) / verify(width)
         assert rate == pytest.approx(optimum)
+
+
+def test_batch_dcut_with_nothing_queued_drafts_for_the_slowest_row():
+    """With requests waiting, one confident row pays for a wide window; with none waiting the run
+    ends with its longest request, and a row that would accept nothing keeps the window at 1."""
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    # Two rows: 8 slots cost 1.5 plain steps.
+    model = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 100], batch_sizes=[1, 2],
+                      seconds=[[[1.0, 1.0], [1.5, 1.5]], [[1.0, 1.0], [1.5, 1.5]]])
+    policy = BatchDCutPolicy(model, explore_every=1000)
+    rows = [[0.95] * 7, [0.01] * 7]
+    assert policy.window(rows, batch=2, context=10, queued=True) == 8
+    assert policy.window(rows, batch=2, context=10, queued=False) == 1
+    assert policy.window([[0.95] * 7] * 2, batch=2, context=10, queued=False) == 8
+    # The draft gate judges a step by the same measure: the slowest row gained nothing here.
+    policy.observe([(rows[0], 7), (rows[1], 0)], batch=2, width=8, context=10, draft_seconds=0.0, queued=True)
+    assert policy.efficiency == pytest.approx((9 / 1.5) / 2)
+    policy.efficiency = None
+    policy.observe([(rows[0], 7), (rows[1], 0)], batch=2, width=8, context=10, draft_seconds=0.0, queued=False)
+    assert policy.efficiency == pytest.approx(1 / 1.5)
 
 
 def batch16_cost() -> CostModel:

@@ -134,6 +134,25 @@ def test_batch_dcut_cuts_and_every_row_equals_its_plain_generate(setup, name):
     assert any(1 < w < longest for w in policy.windows) and longest in policy.windows, policy.windows
 
 
+def test_engine_tells_the_batch_policy_whether_requests_wait(setup):
+    target, drafters, prompts = setup
+    policy = cutting_policy(explore_every=2)
+    seen = []
+    window = policy.window
+
+    def recording_window(confidences, batch, context, queued=True):
+        seen.append(queued)
+        return window(confidences, batch, context, queued=queued)
+
+    policy.window = recording_window
+    engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=3, policy=policy)
+    outputs = engine.generate(prompts, max_new_tokens=12)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=12, eos_token_id=None)
+    # 8 prompts, 3 slots: the first steps have requests waiting, the last ones none.
+    assert seen[0] is True and seen[-1] is False, seen
+
+
 def test_batch_dcut_stops_drafting_that_never_pays(setup):
     from angelspec_hf.generation import BatchDCutPolicy, CostModel
 

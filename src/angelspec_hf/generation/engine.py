@@ -169,7 +169,7 @@ class SpeculativeEngine:
             if joining:
                 cache, valid = self._join(rows, cache, valid, joining, eos)
                 rows += joining
-            cache, valid = self._step(rows, cache, valid, eos)
+            cache, valid = self._step(rows, cache, valid, eos, queued=bool(waiting))
             finished = [i for i, row in enumerate(rows) if self._finished(row, eos) and self._flushed(row)]
             for i in finished:
                 row = rows[i]
@@ -417,8 +417,9 @@ class SpeculativeEngine:
                 rows[i].draft_seconds += share
         return drafts
 
-    def _step(self, rows, cache, valid, eos):
-        """One verify forward for every active row: draft, verify, accept, mask the rejected slots."""
+    def _step(self, rows, cache, valid, eos, queued: bool = False):
+        """One verify forward for every active row: draft, verify, accept, mask the rejected slots;
+        ``queued``: whether requests wait for a slot (the batch policy's objective depends on it)."""
         active = [not self._finished(row, eos) for row in rows]
         # Finished rows whose last token's states are still wanted run it through once more.
         flushing = [not a and not self._flushed(row) for row, a in zip(rows, active)]
@@ -434,7 +435,7 @@ class SpeculativeEngine:
         width = 1 + max(len(d) for d in drafts)
         if policy is not None and width > 1:
             confidences = [row.generator.last_confidences or [] for row, d in zip(rows, drafts) if d]
-            width = policy.window(confidences, batch, context)
+            width = policy.window(confidences, batch, context, queued=queued)
             drafts = [d[: width - 1] for d in drafts]
             for row in rows:
                 if row.draft_logits is not None:
@@ -481,5 +482,5 @@ class SpeculativeEngine:
                 if not gated:
                     self._score(row, len(new), row.draft_seconds + verify_share)
         if policy is not None and drafting:
-            policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows))
+            policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows), queued=queued)
         return cache, torch.cat([valid, kept], dim=1)
