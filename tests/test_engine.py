@@ -231,10 +231,10 @@ class _ClosedThenOpen:
         self.closed -= 1
         return self.closed < 0
 
-    def window(self, confidences, batch, context) -> int:
+    def window(self, confidences, batch, context, queued) -> int:
         return 1 + max(map(len, confidences), default=0)
 
-    def observe(self, outcomes, batch, width, context, draft_seconds) -> None:
+    def observe(self, outcomes, batch, width, context, draft_seconds, queued) -> None:
         pass
 
 

@@ -97,7 +97,10 @@ class SpeculativeEngine:
     >>> outputs = engine.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=128)
 
     With ``policy=BatchDCutPolicy(load_or_profile(target, name))`` the verify window of every
-    step is chosen across the batch and drafting stops when it does not pay. After a call,
+    step is chosen across the batch and drafting stops when it does not pay (a policy of your own
+    needs ``should_draft()``, ``window(confidences, batch, context, queued)`` and
+    ``observe(outcomes, batch, width, context, draft_seconds, queued)``; ``queued`` says whether
+    requests wait for a slot). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
     ended on and, for a routed request, ``probes``: arm -> (tokens, seconds) of its probe rounds.
     """
