@@ -154,7 +154,7 @@ def profile_target(target, name: str, tokens=(1, 2, 4, 8, 16), contexts=(64, 256
 
     Each point is the median of ``repeats`` timings in each of ``sweeps`` passes over the whole
     grid, not of back-to-back timings: on a shared machine a slow spell lasts seconds, and when it
-    fell on one point's consecutive repeats it priced that point 50% high (measured here: 8 new
+    fell on one point's consecutive repeats it priced that point 45% high (measured here: 8 new
     tokens at 155 ms where generate's verification forwards took 107 ms) and, made monotone in
     context, every longer context with it.
     """

@@ -420,7 +420,7 @@ class SpeculativeEngine:
                 rows[i].draft_seconds += share
         return drafts
 
-    def _step(self, rows, cache, valid, eos, queued: bool = False):
+    def _step(self, rows, cache, valid, eos, queued: bool):
         """One verify forward for every active row: draft, verify, accept, mask the rejected slots;
         ``queued``: whether requests wait for a slot (the batch policy's objective depends on it)."""
         active = [not self._finished(row, eos) for row in rows]
