@@ -52,6 +52,40 @@ def test_a_lossy_method_is_flagged(targets):
     assert "NO" in format_table(rows)
 
 
+def test_baselines_on_another_target_are_compared_with_that_targets_own_output(targets):
+    """A plain-decoding row on a bfloat16 copy is its own reference, and the engine's references
+    come from the target asked for, not from the benchmark's."""
+    import copy
+
+    import torch
+
+    from angelspec_hf.benchmark import Method
+    from angelspec_hf.generation.exact import make_verification_exact
+
+    reference_target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    target = make_verification_exact(copy.deepcopy(reference_target).to(torch.bfloat16), max_rows=8).target
+    baseline = Method("AR, float32", target=reference_target, threads=1)
+    drafter = copy.deepcopy(targets.fitted("llama", "mtp")).to(torch.bfloat16)
+    references: dict = {}
+    threads = torch.get_num_threads()
+    runs = run_benchmark(target, tokenizer, {"mtp": drafter}, ["math"], per_set=1, max_new_tokens=10,
+                         references=references, baselines=[baseline], reference_target=reference_target)
+    assert torch.get_num_threads() == threads
+    rows = summarise(runs)
+    assert [r["method"] for r in rows] == [AR, "AR, float32", PROMPT_LOOKUP, "mtp"]
+    assert all(row["lossless"] for row in rows)
+    # Speedups are against the faster of the two plain decodings of each prompt.
+    plain = {r["method"]: r["speedup"] for r in rows if r["method"] in (AR, "AR, float32")}
+    assert max(plain.values()) == 1.0 and min(plain.values()) <= 1.0
+    prompt = next(r for r in runs if r.method == AR)
+    from angelspec_hf.benchmark import benchmark_prompts
+    from angelspec_hf.evaluation import chat_inputs
+
+    inputs = chat_inputs(tokenizer, benchmark_prompts(["math"], 1)[0][2])
+    expected = reference_target.generate(**inputs, max_new_tokens=10, do_sample=False)[0].tolist()
+    assert references[("math", prompt.prompt_index)] == expected
+
+
 def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets, tmp_path):
     from angelspec_hf.benchmark import run_concurrency
 

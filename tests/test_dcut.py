@@ -295,10 +295,10 @@ def test_saved_profiles_of_an_older_format_are_measured_again(targets, tmp_path,
     target = targets.target("llama")
     measured = []
 
-    def fake_profile(target, name):
+    def fake_profile(target, name, batch_sizes=(1, 4, 16)):
         measured.append(name)
         return CostModel(target=name, hardware=cost_model.hardware_id(), tokens=[1, 2], contexts=[0, 8],
-                         seconds=[[[1.0, 1.0], [0.5, 0.5]]] * 2, batch_sizes=[1, 4],
+                         seconds=[[[1.0, 1.0], [0.5, 0.5]]] * len(batch_sizes), batch_sizes=list(batch_sizes),
                          profile_format=cost_model.PROFILE_FORMAT)
 
     monkeypatch.setattr(cost_model, "profile_target", fake_profile)
@@ -312,3 +312,29 @@ def test_saved_profiles_of_an_older_format_are_measured_again(targets, tmp_path,
     reread = cost_model.load_or_profile(target, "tiny")
     assert measured == ["tiny@float32"], "a current profile is not measured again"
     assert reread.profile_format == cost_model.PROFILE_FORMAT and reread.verify_seconds(2, 0) == pytest.approx(0.5)
+
+
+def test_saved_profiles_are_keyed_by_exact_kernels_and_cover_the_batch_sizes_asked_for(tmp_path, monkeypatch):
+    """An exact-verification target is profiled apart from the stock one, and a profile of batch 1
+    only serves batch-1 use but is measured again when the engine's batch sizes are asked for."""
+    from angelspec_hf.generation import cost_model
+    from angelspec_hf.generation.exact import make_verification_exact
+    from angelspec_hf.reference import tiny_target
+
+    monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path))
+    measured = []
+
+    def fake_profile(target, name, batch_sizes=(1, 4, 16)):
+        measured.append((name, tuple(batch_sizes)))
+        return CostModel(target=name, hardware=cost_model.hardware_id(), tokens=[1, 2], contexts=[0, 8],
+                         seconds=[[[1.0, 1.0], [0.5, 0.5]]] * len(batch_sizes), batch_sizes=list(batch_sizes),
+                         profile_format=cost_model.PROFILE_FORMAT)
+
+    monkeypatch.setattr(cost_model, "profile_target", fake_profile)
+    target = tiny_target("llama").to(torch.bfloat16)
+    make_verification_exact(target, max_rows=4)
+    cost_model.load_or_profile(target, "tiny", batch_sizes=(1,))
+    cost_model.load_or_profile(target, "tiny", batch_sizes=(1,))
+    assert measured == [("tiny@bfloat16+exact", (1,))]
+    cost_model.load_or_profile(target, "tiny")
+    assert measured[-1] == ("tiny@bfloat16+exact", (1, 4, 16))

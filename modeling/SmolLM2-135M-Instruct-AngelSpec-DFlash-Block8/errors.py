@@ -32,3 +32,7 @@ class UnsupportedCacheError(AngelSpecError, ValueError):
 
 class ReferenceTargetError(AngelSpecError, RuntimeError):
     """The bundled reference target could not be obtained or converted."""
+
+
+class ExactVerificationError(AngelSpecError, RuntimeError):
+    """The target's forward could not be made to give a position the same bits alone and among others."""

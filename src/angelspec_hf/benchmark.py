@@ -35,6 +35,8 @@ class Method:
     drafter: object = None
     policy: object = None  # installed as drafter.draft_policy for this method's runs only
     count_forwards: bool = False  # tau from counted target forwards (assistants without our stats)
+    target: object = None  # another target (None: the benchmark's); its first method is its own reference
+    threads: int | None = None  # torch threads for this method's runs (None: as set)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Run:
     seconds: float
     identical: bool
     tau: float | None
+    plain: bool = False  # plain decoding (AR or a baseline): the fastest of these is what speedups are against
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,43 +88,56 @@ def benchmark_prompts(domains: list[str], per_set: int) -> list[tuple[str, int, 
 
 
 def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
-                  max_new_tokens: int, cost_model=None, references: dict | None = None) -> list[Run]:
-    """Batch-1 runs; ``references`` (if given) receives each prompt's plain greedy output ids."""
+                  max_new_tokens: int, cost_model=None, references: dict | None = None,
+                  baselines: list[Method] = (), reference_target=None) -> list[Run]:
+    """Batch-1 runs; ``references`` (if given) receives each prompt's plain greedy output ids from
+    ``reference_target`` (default ``target``).
+
+    ``baselines`` are more plain-decoding rows, on other targets or thread counts, interleaved
+    right after AR: each method's output must equal the first output of its own target.
+    """
     methods = methods_for(drafters, cost_model)
+    methods[1:1] = list(baselines)
     prompts = benchmark_prompts(domains, per_set)
     runs: list[Run] = []
+    default_threads = torch.get_num_threads()
+    reference_target = target if reference_target is None else reference_target
     with torch.no_grad():
         inputs = chat_inputs(tokenizer, prompts[0][2])
-        target.generate(**inputs, max_new_tokens=4, do_sample=False)  # warm-up
+        for model in {id(m.target or target): m.target or target for m in methods}.values():
+            model.generate(**inputs, max_new_tokens=4, do_sample=False)  # warm-up
         for domain, index, prompt in tqdm(prompts, desc="benchmark", unit="prompt"):
             inputs = chat_inputs(tokenizer, prompt)
-            reference = None
+            first_output: dict[int, torch.Tensor] = {}
             for method in methods:
+                model = method.target or target
                 if method.policy is not None:
                     method.drafter.draft_policy = method.policy
+                torch.set_num_threads(method.threads or default_threads)
                 forwards = []
-                hook = target.register_forward_hook(lambda *_: forwards.append(1)) if method.count_forwards else None
+                hook = model.register_forward_hook(lambda *_: forwards.append(1)) if method.count_forwards else None
                 start = time.perf_counter()
                 try:
-                    out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                          **method.generate_kwargs)
+                    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                         **method.generate_kwargs)
                 finally:
                     seconds = time.perf_counter() - start
+                    torch.set_num_threads(default_threads)
                     if hook is not None:
                         hook.remove()
                     if method.policy is not None:
                         del method.drafter.draft_policy
-                if reference is None:
-                    reference = out
-                    if references is not None:
-                        references[(domain, index)] = out[0].tolist()
+                reference = first_output.setdefault(id(model), out)
+                if reference is out and model is reference_target and references is not None:
+                    references[(domain, index)] = out[0].tolist()
                 stats = getattr(method.drafter, "last_speculation_stats", None)
                 new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
                 tau = stats.tau if stats is not None else None
                 if method.count_forwards:
                     # The prefill forward yields the first token; each later forward verifies one round.
                     tau = (new_tokens - 1) / max(len(forwards) - 1, 1)
-                runs.append(Run(method.name, domain, index, new_tokens, seconds, torch.equal(out, reference), tau))
+                plain = method.name == AR or any(method is b for b in baselines)
+                runs.append(Run(method.name, domain, index, new_tokens, seconds, torch.equal(out, reference), tau, plain))
     return runs
 
 
@@ -219,8 +235,13 @@ def _engine_run(target, drafter, cost_model, level: int, ids: list[list[int]], m
 
 
 def summarise(runs: list[Run]) -> list[dict]:
-    """One row per (method, domain): medians over prompts, speedups against AR on the same prompt."""
-    ar = {(r.domain, r.prompt_index): r for r in runs if r.method == AR}
+    """One row per (method, domain): medians over prompts, speedups against the fastest plain
+    decoding of the same prompt (AR, or a baseline on another target or thread count)."""
+    ar: dict = {}
+    for r in runs:
+        if r.plain or r.method == AR:
+            best = ar.get((r.domain, r.prompt_index))
+            ar[(r.domain, r.prompt_index)] = r if best is None or r.tokens_per_s > best.tokens_per_s else best
     rows = []
     for method in dict.fromkeys(r.method for r in runs):
         for domain in dict.fromkeys(r.domain for r in runs):

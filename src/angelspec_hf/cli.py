@@ -9,6 +9,7 @@ prepare data, train drafters and measure them.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import sys
@@ -45,6 +46,7 @@ def bench_drafters(target: PreTrainedModel, modeling_dir: Path, extra: list[str]
 
 def run_bench(args: argparse.Namespace) -> int:
     from .benchmark import (
+        Method,
         format_table,
         run_benchmark,
         run_concurrency,
@@ -52,27 +54,52 @@ def run_bench(args: argparse.Namespace) -> int:
         write_chart,
         write_report,
     )
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    per_set, max_new_tokens = (2, 64) if args.quick else (args.per_set, args.max_new_tokens)
     from .generation import load_or_profile
+    from .generation.exact import make_verification_exact
 
+    per_set, max_new_tokens = (2, 64) if args.quick else (args.per_set, args.max_new_tokens)
+    levels = [] if args.quick else args.concurrency
+    name = target_display_name(args.target)
+    engine_threads = args.engine_threads or torch.get_num_threads()
+    threads = args.threads or engine_threads
     target, tokenizer = load_target(args.target, args.dtype)
+    exact = args.dtype != "float32" and not args.stock_kernels
+    baselines = []
+    if exact:
+        # bfloat16 verification is token-identical only with row-stable kernels (generation/exact.py);
+        # plain decoding of the stock bf16 target is measured beside it, so that AR is not slowed by them.
+        stock = copy.deepcopy(target)
+        make_verification_exact(target)
+        baselines.append(Method(f"AR, {args.dtype} stock kernels ({engine_threads} threads)", target=stock,
+                                threads=engine_threads))
+    engine_target = target
+    if args.engine_dtype != args.dtype or exact:
+        engine_target = load_target(args.target, args.engine_dtype)[0]
+        baselines.append(Method(f"AR, {args.engine_dtype} target ({engine_threads} threads)", target=engine_target,
+                                threads=engine_threads))
     drafters = bench_drafters(target, Path(args.modeling_dir), args.drafter)
-    cost_model = None if args.no_dcut else load_or_profile(target, target_display_name(args.target))
+    torch.set_num_threads(threads)
+    cost_model = None if args.no_dcut else load_or_profile(target, name, batch_sizes=(1,))
     references: dict = {}
-    runs = run_benchmark(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, cost_model, references)
+    runs = run_benchmark(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, cost_model, references,
+                         baselines=baselines, reference_target=engine_target)
     rows = summarise(runs)
     print(format_table(rows))
-    levels = [] if args.quick else args.concurrency
-    concurrency = run_concurrency(target, tokenizer, drafters, args.domains, per_set, max_new_tokens, levels, references,
-                                  cost_model, repeats=args.engine_repeats)
+    torch.set_num_threads(engine_threads)
+    concurrency = []
+    if levels:
+        engine_drafters = drafters if engine_target is target else bench_drafters(engine_target, Path(args.modeling_dir),
+                                                                                  args.drafter)
+        engine_cost = None if args.no_dcut else load_or_profile(engine_target, name)
+        concurrency = run_concurrency(engine_target, tokenizer, engine_drafters, args.domains, per_set, max_new_tokens,
+                                      levels, references, engine_cost, repeats=args.engine_repeats)
     if concurrency:
         print()
         print(format_table(concurrency, group="concurrency"))
     report = Path(args.report)
-    write_report(runs, rows, report, {"target": target_display_name(args.target), "dtype": args.dtype, "per_set": per_set,
+    write_report(runs, rows, report, {"target": name, "dtype": args.dtype, "exact_kernels": exact,
+                                      "threads": threads, "engine_dtype": args.engine_dtype,
+                                      "engine_threads": engine_threads, "per_set": per_set,
                                       "max_new_tokens": max_new_tokens}, concurrency)
     chart = report.with_suffix(".png")
     print(f"report written to {report}" + (f", chart to {chart}" if write_chart(rows, chart, concurrency) else ""))
@@ -362,9 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modeling-dir", default="modeling", help="directory of shipped drafters")
     bench.add_argument("--drafter", action="append", default=[], help="another drafter directory (repeatable)")
     bench.add_argument("--report", default="reports/bench.json")
-    bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    bench.add_argument("--dtype", default="float32", choices=DTYPES,
-                       help="target (and drafter) compute dtype; bfloat16 pays off on CPUs with AMX")
+    bench.add_argument("--threads", type=int, default=1,
+                       help="torch threads at batch 1 (0: torch's default). One thread decodes and verifies the "
+                            "bfloat16 target fastest here, its kernels being many small operations")
+    bench.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                       help="batch-1 target (and drafter) dtype; other than float32 it runs with exact verification "
+                            "(generation/exact.py), and plain decoding with the stock kernels and in float32 is "
+                            "measured beside it")
+    bench.add_argument("--stock-kernels", action="store_true",
+                       help="do not install exact verification (bfloat16 output then differs from plain decoding)")
+    bench.add_argument("--engine-dtype", default="float32", choices=DTYPES,
+                       help="the batched engine's target dtype (its padded batches are exact in float32)")
+    bench.add_argument("--engine-threads", type=int, default=0, help="torch threads for the engine (0: torch's default)")
     bench.add_argument("--no-dcut", action="store_true", help="skip the D-cut rows (and the cost profile)")
     bench.add_argument("--concurrency", type=int, nargs="*", default=[4, 16],
                        help="engine concurrency levels to measure (none with --quick)")

@@ -101,18 +101,23 @@ def profile_path(target_name: str) -> Path:
     return cache_home() / "profiles" / f"{safe}.json"
 
 
-def load_or_profile(target, target_name: str, refresh: bool = False) -> CostModel:
-    """The saved profile of this target (in its dtype) on this hardware, measuring it first if there is none."""
+def load_or_profile(target, target_name: str, refresh: bool = False,
+                    batch_sizes: tuple[int, ...] = (1, 4, 16)) -> CostModel:
+    """The saved profile of this target (in its dtype, with or without exact verification) on this
+    hardware, measuring it first if there is none or the saved one lacks a batch size asked for."""
+    from .exact import is_verification_exact
+
     target_name = f"{target_name}@{str(target.dtype).removeprefix('torch.')}"
+    if is_verification_exact(target):
+        target_name += "+exact"
     path = profile_path(target_name)
     if path.exists() and not refresh:
         model = CostModel.load(path)
-        if len(model.batch_sizes) > 1 and model.profile_format >= PROFILE_FORMAT:
+        if set(batch_sizes) <= set(model.batch_sizes) and model.profile_format >= PROFILE_FORMAT:
             return model
         logger.info("The saved profile %s is in an older format (no batch axis, new tokens forced monotone, or "
-                    "repeats timed back to back): "
-                    "profiling again.", path)
-    model = profile_target(target, target_name)
+                    "repeats timed back to back) or lacks batch sizes %s: profiling again.", path, batch_sizes)
+    model = profile_target(target, target_name, batch_sizes=batch_sizes)
     model.save(path)
     logger.info("Saved the cost profile to %s", path)
     return model
