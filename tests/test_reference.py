@@ -56,3 +56,24 @@ def test_reference_target_greedy_identity():
     with torch.no_grad():
         out = target(**inputs, output_hidden_states=True)
     assert int(target.lm_head(out.hidden_states[-1][:, -1]).argmax()) == int(plain[0, inputs["input_ids"].shape[1]])
+
+
+@pytest.mark.slow
+def test_reference_target_in_bfloat16_verifies_exactly():
+    """The shipped DFly drafter on the bfloat16 reference target with exact verification: its
+    multi-token verify forwards decide the output, which equals plain bfloat16 decoding."""
+    from pathlib import Path
+
+    from transformers import AutoModel
+
+    from angelspec_hf.generation.exact import make_verification_exact
+
+    target, tokenizer = load_reference_target(dtype=torch.bfloat16)
+    make_verification_exact(target)  # raises if this machine's kernels cannot be made exact
+    drafter = AutoModel.from_pretrained(Path(__file__).parents[1] / "modeling" / "SmolLM2-135M-Instruct-AngelSpec-DFly-Block8").eval()
+    messages = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    plain = target.generate(**inputs, max_new_tokens=48, do_sample=False)
+    fast = target.generate(**inputs, assistant_model=drafter, max_new_tokens=48, do_sample=False)
+    assert torch.equal(plain, fast)
+    assert sum(drafter.last_speculation_stats.accepted) > 0

@@ -290,7 +290,7 @@ def write_chart(rows: list[dict], path: Path, concurrency: list[dict] | None = N
     for ax, (panel_rows, group, title) in zip(axes[0], panels):
         _grouped_bars(ax, panel_rows, group)
         ax.set_title(f"{title}, greedy, reference target")
-    axes[0][0].set_ylabel("speedup over plain decoding (1.0 = AR)")
+    axes[0][0].set_ylabel("speedup (1.0 = the fastest plain decoding)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

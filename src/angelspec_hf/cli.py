@@ -362,10 +362,14 @@ def evaluate_into_card(target, tokenizer, drafter_dir: Path, domains: list[str],
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, args.dtype)
+    if args.dtype != "float32":
+        from .generation.exact import make_verification_exact
+
+        make_verification_exact(target)  # otherwise reduced precision is not token-identical (generation/exact.py)
     measure = evaluate_into_card if args.card else measure_drafter
     results = measure(target, tokenizer, Path(args.drafter), args.domains, args.per_set, args.max_new_tokens)
-    report = {"drafter": str(args.drafter), "target": args.target, "max_new_tokens": args.max_new_tokens,
+    report = {"drafter": str(args.drafter), "target": args.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
               "torch_threads": torch.get_num_threads(), "domains": {d: r.as_dict() for d, r in results.items()}}
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
     Path(args.report).write_text(json.dumps(report, indent=2))
@@ -550,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--per-set", type=int, default=8, help="held-out prompts per prompt set")
     evaluate.add_argument("--max-new-tokens", type=int, default=128)
     evaluate.add_argument("--report", default="reports/eval.json")
+    evaluate.add_argument("--dtype", default="float32", choices=DTYPES,
+                          help="target and drafter dtype; other than float32 with exact verification (generation/exact.py)")
     evaluate.add_argument("--card", action="store_true",
                           help="also write the numbers (angelspec_results.json) and a model card into the drafter directory")
     evaluate.set_defaults(handler=run_eval)

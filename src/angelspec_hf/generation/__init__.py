@@ -1,10 +1,11 @@
 """Inference-side policies that only the library needs (the candidate generators themselves live in
-the modeling files so that they ship as remote code): the hardware cost model, D-cut and the
-batched engine."""
+the modeling files so that they ship as remote code): the hardware cost model, D-cut, the
+batched engine and exact verification in reduced precision."""
 
 from .cost_model import CostModel, load_or_profile, profile_target
 from .dcut import BatchDCutPolicy, DCutPolicy, FixedLengthPolicy
 from .engine import EngineRequestError, SpeculativeEngine
+from .exact import check_verification_exact, make_verification_exact
 
 __all__ = [
     "BatchDCutPolicy",
@@ -13,6 +14,8 @@ __all__ = [
     "EngineRequestError",
     "FixedLengthPolicy",
     "SpeculativeEngine",
+    "check_verification_exact",
     "load_or_profile",
+    "make_verification_exact",
     "profile_target",
 ]
