@@ -172,3 +172,13 @@ def test_exact_target_saves_a_loadable_config(tmp_path):
     target.save_pretrained(tmp_path)
     assert ATTENTION_NAME not in (tmp_path / "config.json").read_text()
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation != ATTENTION_NAME
+
+
+def test_a_layer_that_cannot_be_made_exact_undoes_everything(monkeypatch):
+    target = _tiny_bf16("qwen3")
+    before = target.config._attn_implementation
+    monkeypatch.setattr(F, "linear", _row_dependent_linear(threshold_rows=16, single_offset=0.0, mixed_offset=1e-2))
+    with pytest.raises(ExactVerificationError, match="float32"):
+        make_verification_exact(target, max_rows=4)
+    assert not is_verification_exact(target) and target.config._attn_implementation == before
+    assert not any("forward" in module.__dict__ for module in target.modules())

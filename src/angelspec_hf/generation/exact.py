@@ -52,8 +52,7 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Scaled dot-product attention whose output for a query row is the same bits for any number
-    of other query rows (up to the module's query block) and any number of keys after the ones it
-    sees (``AttentionInterface`` form: query ``(b, heads, q, d)``, key/value ``(b, kv_heads, k, d)``,
+    of other query rows and any number of keys after the ones it sees (``AttentionInterface`` form: query ``(b, heads, q, d)``, key/value ``(b, kv_heads, k, d)``,
     returns ``(b, q, heads, d)``).
 
     Every product over keys is taken over fixed ``KEY_BLOCK``-key blocks, added block by block in
@@ -119,8 +118,9 @@ def _row_bias(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_le
               start: int, stop: int, kv_heads: int, groups: int) -> torch.Tensor:
     """Additive float32 mask of query rows ``start:stop`` as ``(b*kv_heads, groups*rows, padded)``
     (rows = max(stop - start, 2), extra rows copies of the first): 0 where a row sees a key, -inf
-    elsewhere, padding keys included. Every layer of a forward gets the same mask object, so each
-    is built once per forward."""
+    elsewhere, padding keys included. Every layer of a forward gets the same mask object, so a
+    decoding or verify forward's (one chunk) is built once per forward; a long prefill's chunks
+    are built per layer, not kept."""
     shape = (batch, q_len, kv_len, padded, causal, kv_heads, groups,
              tuple(attention_mask.shape) if attention_mask is not None else None)
     if _bias_cache.get("shape") != shape or _bias_cache.get("mask") is not attention_mask:
@@ -148,7 +148,8 @@ def _row_bias(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_le
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
     rows = bias.shape[1]
     bias = bias[:, None, None].expand(batch, kv_heads, groups, rows, padded).reshape(batch * kv_heads, groups * rows, padded)
-    _bias_cache[(start, stop)] = bias
+    if (start, stop) == (0, q_len):
+        _bias_cache[(start, stop)] = bias
     return bias
 
 
@@ -280,8 +281,9 @@ def make_verification_exact(target, max_rows: int = 16, check: bool = True) -> E
     in bfloat16 (or any dtype). Plain ``target.generate`` uses the same kernels afterwards.
 
     Verify forwards wider than ``max_rows`` tokens (and prefills) run unchanged. With ``check`` the
-    whole target is verified bit for bit (`check_verification_exact`, a few seconds on a 135M
-    model); a failure undoes the change and raises `ExactVerificationError`. Idempotent.
+    whole target is verified bit for bit (`check_verification_exact`; probing and checking took
+    8-11 s on the 135M reference target); a failure undoes the change and raises
+    `ExactVerificationError`. Idempotent.
     """
     if is_verification_exact(target):
         return target._angelspec_exact
@@ -290,19 +292,12 @@ def make_verification_exact(target, max_rows: int = 16, check: bool = True) -> E
     register_exact_attention()
     state = ExactVerification(target, max_rows, target.config._attn_implementation or "sdpa")
     target.set_attn_implementation(ATTENTION_NAME)
-    by_shape: dict[tuple, RowPlan] = {}
-    for name, module in target.named_modules():
-        if type(module) is not torch.nn.Linear:
-            continue
-        shape = (tuple(module.weight.shape), module.weight.dtype, module.weight.device, module.bias is not None)
-        if shape not in by_shape:
-            by_shape[shape] = plan_linear(module.weight, module.bias, max_rows)
-        plan = by_shape[shape]
-        if plan.needed(max_rows):
-            module._angelspec_row_plan = (plan, max_rows)
-            module.forward = types.MethodType(_row_stable_linear, module)
-            state.plans[name] = plan
     target._angelspec_exact = state
+    try:
+        _reroute_linears(target, state)
+    except ExactVerificationError:
+        state.undo()
+        raise
     logger.info("exact verification: attention %s, %d linear layers rerouted (%s)", ATTENTION_NAME, len(state.plans),
                 sorted({(p.pad_single, p.largest_block) for p in state.plans.values()}))
     if check:
@@ -314,6 +309,22 @@ def make_verification_exact(target, max_rows: int = 16, check: bool = True) -> E
                 f"forward than in plain decoding ((context, width): rows {failures}); its kernels are not supported. "
                 "Run the target in float32 instead, or pass a smaller max_rows.")
     return state
+
+
+def _reroute_linears(target, state: ExactVerification) -> None:
+    """Probe each distinct ``nn.Linear`` shape once and reroute the layers whose rows need it."""
+    by_shape: dict[tuple, RowPlan] = {}
+    for name, module in target.named_modules():
+        if type(module) is not torch.nn.Linear:
+            continue
+        shape = (tuple(module.weight.shape), module.weight.dtype, module.weight.device, module.bias is not None)
+        if shape not in by_shape:
+            by_shape[shape] = plan_linear(module.weight, module.bias, state.max_rows)
+        plan = by_shape[shape]
+        if plan.needed(state.max_rows):
+            module._angelspec_row_plan = (plan, state.max_rows)
+            module.forward = types.MethodType(_row_stable_linear, module)
+            state.plans[name] = plan
 
 
 @torch.no_grad()
