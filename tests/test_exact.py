@@ -85,7 +85,7 @@ def _row_dependent_linear(threshold_rows, single_offset, mixed_offset=0.0):
             return out + single_offset
         if rows > threshold_rows:
             return out + 1e-3
-        flat = x.reshape(rows, -1)
+        flat = x.reshape(rows, x.shape[-1])
         if mixed_offset and not torch.equal(flat, flat[:1].expand_as(flat)):
             return out + mixed_offset
         return out
@@ -115,6 +115,7 @@ def test_rerouted_linear_keeps_every_row_on_agreeing_row_counts(monkeypatch):
     x = torch.randn(1, 7, layer.in_features).bfloat16()
     rows = [layer(x[:, i:i + 1]) for i in range(7)]
     assert torch.equal(layer(x), torch.cat(rows, dim=1))
+    assert layer(x[:, :0]).shape == (1, 0, layer.out_features)  # no rows: nothing to split
     # A copy's rerouted layers use the copy's weights.
     twin = copy.deepcopy(target)
     with torch.no_grad():

@@ -239,7 +239,7 @@ def summarise(runs: list[Run]) -> list[dict]:
     decoding of the same prompt (AR, or a baseline on another target or thread count)."""
     ar: dict = {}
     for r in runs:
-        if r.plain or r.method == AR:
+        if r.plain:
             best = ar.get((r.domain, r.prompt_index))
             ar[(r.domain, r.prompt_index)] = r if best is None or r.tokens_per_s > best.tokens_per_s else best
     rows = []

@@ -61,7 +61,7 @@ def run_bench(args: argparse.Namespace) -> int:
     levels = [] if args.quick else args.concurrency
     name = target_display_name(args.target)
     engine_threads = args.engine_threads or torch.get_num_threads()
-    threads = args.threads or engine_threads
+    threads = args.threads or torch.get_num_threads()
     target, tokenizer = load_target(args.target, args.dtype)
     exact = args.dtype != "float32" and not args.stock_kernels
     baselines = []

@@ -28,6 +28,7 @@ float32 two threads: 59 ms and about 100 ms).
 from __future__ import annotations
 
 import logging
+import math
 import types
 from dataclasses import dataclass, field
 
@@ -52,8 +53,8 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Scaled dot-product attention whose output for a query row is the same bits for any number
-    of other query rows and any number of keys after the ones it sees (``AttentionInterface`` form: query ``(b, heads, q, d)``, key/value ``(b, kv_heads, k, d)``,
-    returns ``(b, q, heads, d)``).
+    of other query rows and any number of keys after the ones it sees (``AttentionInterface``
+    form: query ``(b, heads, q, d)``, key/value ``(b, kv_heads, k, d)``, returns ``(b, q, heads, d)``).
 
     Every product over keys is taken over fixed ``KEY_BLOCK``-key blocks, added block by block in
     order, so keys beyond what a row sees add exact zeros; a single query row is computed as two
@@ -236,8 +237,8 @@ def _row_stable_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` through the row counts of ``self._angelspec_row_plan`` (bound per module
     as a method, so that ``copy.deepcopy`` of the model binds the copy's own weights)."""
     plan, max_rows = self._angelspec_row_plan
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows > max_rows or 1 < rows <= plan.largest_block or (rows == 1 and not plan.pad_single):
+    rows = math.prod(x.shape[:-1])
+    if rows > max_rows or (rows <= plan.largest_block and not (rows == 1 and plan.pad_single)):
         return F.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, x.shape[-1])
     parts = []
