@@ -196,3 +196,26 @@ def test_the_longest_magpie_turn_is_an_option(targets, tmp_path, monkeypatch):
                "--magpie", "2"]
     assert cli.main(command) == 0 and cli.main(command + ["--magpie", "4", "--magpie-turn-tokens", "30"]) == 0
     assert asked == [64, 30]
+
+
+def test_draft_vocab_narrows_a_reduced_vocabulary_to_its_own_most_frequent_tokens(targets, tmp_path, monkeypatch):
+    from transformers import AutoModel
+
+    from angelspec_hf import cli
+    from angelspec_hf.modeling_angelspec_dfly import DFlyDrafter
+
+    target = targets.target("llama")
+    DFlyDrafter.from_target(target, draft_token_ids=list(range(10, 60))).save_pretrained(tmp_path / "drafter")
+    # Token 5 is the most frequent response token but outside the drafter's 50 tokens.
+    response = [5] * 50 + [40] * 30 + [30] * 20 + [20] * 10 + [11] * 5 + [12] * 2
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "r.jsonl").write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": response}) + "\n")
+    monkeypatch.setattr(cli, "load_target", lambda name, dtype="float32": (target, tiny_tokenizer()))
+
+    def draft_vocab(size):
+        assert cli.main(["draft-vocab", str(tmp_path / "drafter"), "--data", str(tmp_path / "rollouts"),
+                         "--corpus-tokens", "0", "--size", str(size)]) == 0
+        return AutoModel.from_pretrained(tmp_path / "drafter").draft_vocab.tolist()
+
+    assert draft_vocab(4) == [11, 20, 30, 40]  # narrowed within its own tokens
+    assert 5 in draft_vocab(8)  # widened: counted afresh over the target vocabulary

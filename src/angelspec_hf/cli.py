@@ -330,7 +330,10 @@ def run_draft_vocab(args: argparse.Namespace) -> int:
     if not rows:
         raise SystemExit("no data to count tokens in: give --data with rollouts and/or --corpus-tokens > 0")
     counts = token_counts(rows, drafter.config.vocab_size)
-    ids = frequent_token_ids(counts, args.size)
+    # A drafter trained over a reduced vocabulary (the target renormalised over it) narrows to the
+    # most frequent of its own tokens: the others were never its targets.
+    narrowing = drafter.config.uses_reduced_vocab and args.size < drafter.config.draft_vocab_size
+    ids = frequent_token_ids(counts, args.size, among=drafter.draft_vocab if narrowing else None)
     drafter.set_draft_vocab(ids)
     covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
     drafter.save_pretrained(args.drafter)

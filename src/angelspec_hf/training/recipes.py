@@ -133,10 +133,13 @@ def continued_drafter(path: str | os.PathLike, recipe: Recipe, grow_to: int | No
     return drafter
 
 
-def frequent_token_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The ``size`` most frequent token ids; ties (unseen tokens above all) go to lower ids, which
-    byte-pair vocabularies give to more frequent merges."""
-    return torch.argsort(counts, descending=True, stable=True)[:size]
+def frequent_token_ids(counts: torch.Tensor, size: int, among: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``size`` most frequent token ids (of ``among`` only, when given); ties (unseen tokens
+    above all) go to lower ids, which byte-pair vocabularies give to more frequent merges."""
+    if among is None:
+        return torch.argsort(counts, descending=True, stable=True)[:size]
+    among = torch.sort(among.to(counts.device)).values
+    return among[torch.argsort(counts[among], descending=True, stable=True)[:size]]
 
 
 def token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
