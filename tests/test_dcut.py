@@ -137,9 +137,13 @@ def test_batch_dcut_with_nothing_queued_drafts_for_the_slowest_row():
     assert policy.window(rows, batch=2, context=10, queued=True) == 8
     assert policy.window(rows, batch=2, context=10, queued=False) == 1
     assert policy.window([[0.95] * 7] * 2, batch=2, context=10, queued=False) == 8
-    # The draft gate judges a step by the same measure: the slowest row gained nothing here.
+    # The draft gate judges a step by the same measure, on what `window` expected of it (the
+    # uncalibrated confidences' survivals here), not on what was accepted (9 tokens).
+    assert policy.window(rows, batch=2, context=10, queued=True) == 8
+    expected = 2 + sum(0.95 ** j for j in range(1, 8)) + sum(0.01 ** j for j in range(1, 8))
     policy.observe([(rows[0], 7), (rows[1], 0)], batch=2, width=8, context=10, draft_seconds=0.0, queued=True)
-    assert policy.efficiency == pytest.approx((9 / 1.5) / 2)
+    assert policy.efficiency == pytest.approx((expected / 1.5) / 2)
+    # A step `window` did not see counts as accepted: the slowest row gained nothing here.
     policy.efficiency = None
     policy.observe([(rows[0], 7), (rows[1], 0)], batch=2, width=8, context=10, draft_seconds=0.0, queued=False)
     assert policy.efficiency == pytest.approx(1 / 1.5)

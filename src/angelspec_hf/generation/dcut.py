@@ -243,6 +243,7 @@ class BatchDCutPolicy(_DraftGate):
                  probe_budget: float | None = 0.02):
         super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget)
         self.windows: list[int] = []  # chosen window of every drafting step, for reports
+        self.expected_gain: float | None = None  # what `window` expects the step to make, for `observe`
 
     def verify(self, batch: int, context: int):
         return lambda width: self.cost_model.verify_seconds(width, context, batch)
@@ -260,27 +261,39 @@ class BatchDCutPolicy(_DraftGate):
         """
         self.decisions += 1
         longest = max((len(c) for c in confidences), default=0)
+        survivals = [survival_of([self.calibrator(c) for c in row]) for row in confidences]
+        survivals += [[]] * (batch - len(confidences))
         if self.decisions % self.explore_every == 0:
             width = longest + 1
         else:
-            survivals = [survival_of([self.calibrator(c) for c in row]) for row in confidences]
-            survivals += [[]] * (batch - len(confidences))
             width = best_window(survivals, self.verify(batch, context), slowest_row=not queued)
+        combine = sum if queued else min
+        self.expected_gain = combine(expected_tokens(s, width - 1) for s in survivals)
         self.windows.append(width)
         return width
 
     def observe(self, kept: list[tuple[list[float], int]], batch: int, width: int, context: int,
                 draft_seconds: float, queued: bool = True) -> None:
         """Learn from a verified step: per drafting row its kept confidences and accepted count,
-        plus what the step's drafting cost in total; ``queued`` as in `window`."""
+        plus what the step's drafting cost in total; ``queued`` as in `window`.
+
+        The gate weighs the step by what `window` expected of it (calibrated survivals of the window
+        it chose), not by what was accepted: a few rows' acceptances vary far more from step to
+        step than their expectation, and the realised counts closed the gate where drafting paid
+        (measured on the reference target, engine at concurrency 4, DFly-Block8, 12 mixed prompts:
+        1.09x plain batched decoding gated on realised counts, 1.28x / 1.36x with the gate held
+        open, fixed windows of 4 / 8 tokens 1.34x / 1.16x). A step `window` did not see counts as
+        accepted."""
         for confidences, accepted in kept:
             for position, confidence in enumerate(confidences[: accepted + 1]):
                 self.calibrator.update(confidence, position < accepted)
         verify = self.verify(batch, context)
-        if queued:
-            gained, plain = batch + sum(accepted for _, accepted in kept), batch
+        plain = batch if queued else 1
+        if self.expected_gain is not None:
+            gained, self.expected_gain = self.expected_gain, None
+        elif queued:
+            gained = batch + sum(accepted for _, accepted in kept)
         else:
             # Rows that did not draft advanced one token, like a plain step.
-            slowest = min(accepted for _, accepted in kept) if len(kept) == batch else 0
-            gained, plain = 1 + slowest, 1
+            gained = 1 + (min(accepted for _, accepted in kept) if len(kept) == batch else 0)
         self._record_rate(gained, draft_seconds + verify(width), plain, verify(1))
