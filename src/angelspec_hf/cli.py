@@ -547,7 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="directories of rollout JSONL files whose response tokens are counted")
     vocab.add_argument("--corpus-tokens", type=int, default=400_000, help="tokens of framed standard-library code also counted")
     vocab.add_argument("--rollout-length", type=int, default=448)
-    vocab.add_argument("--size", type=int, default=8192, help="draft vocabulary size")
+    vocab.add_argument("--size", type=int, default=8192,
+                       help="draft vocabulary size; below the drafter's own, the most frequent of its own tokens are kept")
     vocab.set_defaults(handler=run_draft_vocab)
 
     evaluate = commands.add_parser("eval", help="tau per domain through generate, greedy, with an identity check")
