@@ -287,7 +287,8 @@ def test_rounds_without_drafting_do_not_count_as_probes(setup):
 def test_a_candidate_drafter_ingests_only_when_its_arm_drafts(setup):
     """A drafter that loses the probes never reads the rounds the other arms ran: exactly one
     ingest per probe round of its own (before, every candidate ingested every round until the
-    request settled, which made routing cost more than the drafters it chose between)."""
+    request settled, which made routing cost more than the drafters it chose between); none at
+    all once the pooled evidence stops later requests from probing it."""
     engine = _fitted_against_useless(setup, max_batch_size=4)
     ingests: dict[tuple[int, str], int] = {}
     new_generator = engine._new_generator
@@ -310,7 +311,9 @@ def test_a_candidate_drafter_ingests_only_when_its_arm_drafts(setup):
     for entry in engine.stats:
         for arm in ("fitted", "useless"):
             if arm != entry["drafter"]:
-                assert ingests.get((entry["index"], arm), 0) == 2, (entry, ingests)
+                probe_rounds = entry["probes"].get(arm, (0, 0.0, 0))[2]
+                assert probe_rounds in (0, 2), entry
+                assert ingests.get((entry["index"], arm), 0) == probe_rounds, (entry, ingests)
 
 
 def test_a_routed_backlog_holds_only_its_own_rows_states(setup):
@@ -329,3 +332,86 @@ def test_a_routed_backlog_holds_only_its_own_rows_states(setup):
     assert queued
     for states in queued:
         assert states.untyped_storage().nbytes() == states.numel() * states.element_size(), states.shape
+
+
+def _routed_row(engine: SpeculativeEngine, scores: dict) -> "object":
+    """A routed request on its last probe round, with these (tokens, seconds, rounds) probes."""
+    from angelspec_hf.generation.engine import _Row
+
+    row = _Row(0, [1, 2, 3], 3, 10, routed=True, arm=next(iter(scores)))
+    row.generators = {arm: object() for arm in engine.drafters}
+    row.arm_scores = {arm: list(score) for arm, score in scores.items()}
+    return row
+
+
+def test_a_request_weighs_its_probes_against_the_pooled_evidence(setup):
+    """Two rejected drafts make a good drafter look worse than no drafter; evidence pooled over
+    earlier requests (4 tokens a round against 1) keeps the request on the drafter, while the
+    request's own probes alone would have settled on "no drafter"."""
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    probes = {"fitted": (1, 0.04, 1), "useless": (2, 0.08, 2), "none": (2, 0.06, 2)}
+    alone = _routed_row(engine, probes)
+    engine._score(alone, 1, 0.04)
+    assert alone.arm == "none"
+    engine.arm_evidence.update({"fitted": [400, 4.0, 100], "useless": [20, 0.8, 10], "none": [10, 0.3, 10]})
+    pooled = _routed_row(engine, probes)
+    engine._score(pooled, 1, 0.04)
+    assert pooled.arm == "fitted" and set(pooled.generators) == {"fitted"}
+
+
+def test_arms_the_pooled_evidence_puts_behind_are_not_probed(setup):
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    assert engine._arms_to_probe() == ["fitted", "useless", "none"]
+    # Too few rounds (fewer than 4 per probe round) to judge "useless": still probed, first; the
+    # others from the best pooled rate down.
+    engine.arm_evidence.update({"fitted": [400, 4.0, 100], "useless": [7, 0.7, 7], "none": [24, 0.3, 30]})
+    assert engine._arms_to_probe() == ["useless", "fitted", "none"]
+    engine.arm_evidence["useless"] = [8, 0.8, 8]
+    assert engine._arms_to_probe() == ["fitted", "none"]  # 10 tokens/s against 100: skipped
+    # "none" at 33 tokens/s is within 25% of a 40 tokens/s drafter: still probed; at 28 it is not.
+    engine.arm_evidence.update({"fitted": [400, 10.0, 100], "none": [33, 1.0, 30]})
+    assert engine._arms_to_probe() == ["fitted", "none"]
+    engine.arm_evidence["none"] = [28, 1.0, 30]
+    assert engine._arms_to_probe() == ["fitted"]
+
+
+def test_later_requests_skip_the_arm_earlier_ones_found_useless(setup):
+    """Served two at a time, the requests that join later know from the pooled evidence that the
+    useless drafter does not pay and go straight to probing the others; outputs stay exact."""
+    engine = _fitted_against_useless(setup, max_batch_size=2)
+    _serve_five_checked(setup, engine, forward_seconds=0.05)
+    first, last = (min(engine.stats, key=lambda e: e["index"]), max(engine.stats, key=lambda e: e["index"]))
+    assert "useless" in first["probes"] and "useless" not in last["probes"], engine.stats
+    tokens, seconds, rounds = engine.arm_evidence["fitted"]
+    assert rounds > 4 * engine.probe_rounds and tokens / rounds > 1.5
+
+
+def test_routing_arguments_are_checked(setup):
+    target, drafters, _ = setup
+    with pytest.raises(ValueError, match="probe_rounds"):
+        SpeculativeEngine(target, {"a": drafters["dfly"]}, probe_rounds=0)
+    with pytest.raises(ValueError, match="route_margin"):
+        SpeculativeEngine(target, {"a": drafters["dfly"]}, route_margin=1.0)
+
+
+def test_a_request_going_as_well_as_the_pooled_best_probes_nothing_else(setup):
+    """Once the evidence is in, a request starts on the pooled best arm; if its own rounds there
+    go as expected it settles without trying the others, if they go badly it tries them."""
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    engine.arm_evidence.update({"fitted": [400, 4.0, 100], "useless": [40, 0.8, 20], "none": [30, 0.4, 30]})
+    from angelspec_hf.generation.engine import _Row
+
+    def routed(tokens_per_round: int) -> _Row:
+        row = _Row(0, [1, 2, 3], 3, 10, routed=True)
+        row.schedule = [arm for arm in engine._arms_to_probe() for _ in range(engine.probe_rounds)]
+        row.arm = row.schedule.pop(0)
+        row.generators = {arm: object() for arm in engine.drafters}
+        for _ in range(engine.probe_rounds):
+            engine._score(row, tokens_per_round, 0.04)
+        return row
+
+    assert engine._arms_to_probe() == ["fitted", "none"]  # "useless" (50 tokens/s against 100) is not probed
+    typical = routed(4)
+    assert typical.arm == "fitted" and typical.schedule == [] and set(typical.arm_scores) == {"fitted"}
+    atypical = routed(1)  # 25 tokens/s on its own, 62.5 blended: "none" (75 pooled) is worth a try
+    assert atypical.arm == "none" and set(atypical.arm_scores) == {"fitted"}

@@ -10,7 +10,11 @@ prefilled separately and its cache merged in) and leave when they finish.
 With several drafters (``{name: drafter}``) each request uses the one named by its declared
 domain; a request without a known domain is routed online: its first rounds try every drafter
 and "no drafter" in turn, each arm is scored by tokens gained per second of its own drafting
-plus its share of the verify forward, and the request keeps the best arm. A candidate drafter
+plus its share of the verify forward, and the request keeps the best arm. Two probe rounds are
+a noisy sample (a drafter whose two drafts both missed looks worse than no drafter), so every
+routed round also feeds evidence pooled over the engine's requests: a request's choice weighs
+its own probes against the pooled rate of each arm, and arms the pooled evidence shows well
+behind the best are no longer probed by the requests that join later. A candidate drafter
 ingests the request's context only when its arm drafts (it catches up on what it missed then),
 so drafters that lose the probes cost nothing, however long the probes stretch while the batch
 policy keeps drafting off; a probe is charged only its own round's share of a catch-up.
@@ -61,7 +65,8 @@ class _Row:
     generators: dict = field(default_factory=dict)  # arm -> candidate generator, while it may be used
     arm: str = NO_DRAFTER
     schedule: list[str] = field(default_factory=list)  # arms still to probe, in order
-    arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds]
+    arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds, rounds] of this request
+    routed: bool = False  # chosen online: its rounds feed the engine's pooled evidence
     # arm -> hidden states of the row's committed positions that arm's drafter has not ingested
     # yet, one entry per forward; a drafter ingests only when its arm drafts.
     pending: dict = field(default_factory=dict)
@@ -102,10 +107,20 @@ class SpeculativeEngine:
     ``observe(outcomes, batch, width, context, draft_seconds, queued)``; ``queued`` says whether
     requests wait for a slot). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
-    ended on and, for a routed request, ``probes``: arm -> (tokens, seconds) of its probe rounds.
+    ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its probe
+    rounds. ``arm_evidence`` holds the pooled evidence of every routed round: arm -> (tokens,
+    seconds, rounds); it lives as long as the engine, so a serving engine keeps learning across
+    `generate` calls (``arm_evidence.clear()`` forgets it, for example when the workload changes).
+
+    Routing: ``probe_rounds`` rounds per arm; an arm whose pooled rate, over at least
+    ``4 * probe_rounds`` rounds, is below ``1 - route_margin`` of the best arm's is not probed,
+    and a request probes the arms in order of pooled rate, stopping as soon as none of the
+    remaining ones is pooled faster than what its own probes show (so a typical request pays
+    for no probes once the evidence is in, and an atypical one still tries the others).
     """
 
-    def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2, policy=None):
+    def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2, policy=None,
+                 route_margin: float = 0.25):
         if drafter is None:
             drafters = {}
         elif isinstance(drafter, dict):
@@ -116,7 +131,12 @@ class SpeculativeEngine:
             model.check_target(target)
         self.target, self.drafters, self.max_batch_size = target.eval(), drafters, max_batch_size
         self.route = isinstance(drafter, dict)
-        self.probe_rounds = probe_rounds
+        if probe_rounds < 1:
+            raise ValueError(f"probe_rounds must be at least 1, got {probe_rounds}.")
+        if not 0.0 <= route_margin < 1.0:
+            raise ValueError(f"route_margin must be in [0, 1), got {route_margin}.")
+        self.probe_rounds, self.route_margin = probe_rounds, route_margin
+        self.arm_evidence: dict[str, list] = {}  # arm -> [tokens, seconds, rounds] over all routed requests
         # A batch policy (`BatchDCutPolicy`) sizes each step's verify window across requests and
         # may skip drafting; without one every row's draft is verified whole.
         self.policy = policy
@@ -372,24 +392,70 @@ class SpeculativeEngine:
         elif row.domain in self.drafters:
             row.arm = row.domain
         else:
-            arms = [*self.drafters, NO_DRAFTER]
-            row.schedule = [arm for arm in arms for _ in range(self.probe_rounds)]
+            row.routed = True
+            row.schedule = [arm for arm in self._arms_to_probe() for _ in range(self.probe_rounds)]
             row.arm = row.schedule.pop(0)
             row.generators = {name: self._new_generator(row, model) for name, model in self.drafters.items()}
             return
         row.generators = {row.arm: self._new_generator(row, self.drafters[row.arm])}
 
+    def _pooled_rate(self, arm: str, min_rounds: int = 1) -> float | None:
+        """Tokens per second of ``arm`` over every routed round so far, if it has ``min_rounds``."""
+        tokens, seconds, rounds = self.arm_evidence.get(arm, (0, 0.0, 0))
+        return tokens / seconds if rounds >= min_rounds and seconds > 0 else None
+
+    def _arms_to_probe(self) -> list[str]:
+        """Every arm but those the pooled evidence already puts ``route_margin`` behind the best:
+        arms without enough evidence first, then the others from the best pooled rate down."""
+        arms = [*self.drafters, NO_DRAFTER]
+        rates = {arm: self._pooled_rate(arm, 4 * self.probe_rounds) for arm in arms}
+        best = max((rate for rate in rates.values() if rate is not None), default=None)
+        if best is None:
+            return arms
+        unknown = [arm for arm in arms if rates[arm] is None]
+        known = sorted((arm for arm in arms if rates[arm] is not None and rates[arm] >= (1.0 - self.route_margin) * best),
+                       key=lambda arm: -rates[arm])
+        return unknown + known
+
+    def _still_worth_probing(self, row: _Row) -> list[str]:
+        """The rest of a request's probe schedule, less the arms it has no reason to try: once it
+        has probed an arm, another arm with enough pooled evidence is tried only if its pooled
+        rate beats what this request's best arm so far is worth (its probes blended with the
+        pooled evidence). A request that goes as well as the pooled best stops probing there."""
+        if not row.arm_scores:
+            return row.schedule
+        best = max(self._blended_rate(row, arm) for arm in row.arm_scores)
+        minimum = 4 * self.probe_rounds
+        return [arm for arm in row.schedule
+                if arm in row.arm_scores or (self._pooled_rate(arm, minimum) or float("inf")) > best]
+
+    def _blended_rate(self, row: _Row, arm: str) -> float:
+        """The request's own probes of ``arm`` plus the pooled evidence, weighted as ``probe_rounds`` rounds."""
+        tokens, seconds, _ = row.arm_scores.get(arm, (0, 0.0, 0))
+        pooled_tokens, pooled_seconds, pooled_rounds = self.arm_evidence.get(arm, (0, 0.0, 0))
+        if pooled_rounds:
+            weight = self.probe_rounds / pooled_rounds
+            tokens, seconds = tokens + weight * pooled_tokens, seconds + weight * pooled_seconds
+        return tokens / max(seconds, 1e-9)
+
+    def _pool(self, arm: str, tokens: int, seconds: float) -> None:
+        evidence = self.arm_evidence.setdefault(arm, [0, 0.0, 0])
+        evidence[0], evidence[1], evidence[2] = evidence[0] + tokens, evidence[1] + seconds, evidence[2] + 1
+
     def _score(self, row: _Row, tokens: int, seconds: float) -> None:
         """Record a routed round and move to the next probe, or settle on the best arm."""
         if not row.schedule and len(row.generators) <= 1:
             return
-        score = row.arm_scores.setdefault(row.arm, [0, 0.0])
-        score[0] += tokens
-        score[1] += seconds
+        score = row.arm_scores.setdefault(row.arm, [0, 0.0, 0])
+        score[0], score[1], score[2] = score[0] + tokens, score[1] + seconds, score[2] + 1
+        if row.schedule and row.schedule[0] != row.arm:
+            row.schedule = self._still_worth_probing(row)
         if row.schedule:
             row.arm = row.schedule.pop(0)
             return
-        row.arm = max(row.arm_scores, key=lambda arm: row.arm_scores[arm][0] / max(row.arm_scores[arm][1], 1e-9))
+        # Arms this request skipped still compete on their pooled evidence.
+        candidates = set(row.arm_scores) | {arm for arm in [*self.drafters, NO_DRAFTER] if arm in self.arm_evidence}
+        row.arm = max(sorted(candidates), key=lambda arm: self._blended_rate(row, arm))
         row.generators = {row.arm: row.generators[row.arm]} if row.arm in row.generators else {}
         row.pending = {arm: states for arm, states in row.pending.items() if arm in row.generators}
 
@@ -477,6 +543,9 @@ class SpeculativeEngine:
             # The pending token and the accepted drafts are now committed; the rest is masked for good.
             kept[i, : len(new)] = True
             self._capture(row, out, i, len(new))
+            if row.routed and not gated:
+                # Settled requests keep feeding the evidence (those on "no drafter" too).
+                self._pool(row.arm, len(new), row.draft_seconds + verify_share)
             if row.generators:
                 row.accepted.append(len(new) - 1)
                 if row.generator is not None:
