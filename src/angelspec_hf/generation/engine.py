@@ -399,16 +399,22 @@ class SpeculativeEngine:
             return
         row.generators = {row.arm: self._new_generator(row, self.drafters[row.arm])}
 
-    def _pooled_rate(self, arm: str, min_rounds: int = 1) -> float | None:
-        """Tokens per second of ``arm`` over every routed round so far, if it has ``min_rounds``."""
+    @property
+    def _arms(self) -> list[str]:
+        """What a routed request chooses between: every drafter and "no drafter"."""
+        return [*self.drafters, NO_DRAFTER]
+
+    def _pooled_rate(self, arm: str) -> float | None:
+        """Tokens per second of ``arm`` over every routed round so far, once it has enough of them
+        (``4 * probe_rounds``) to judge it by."""
         tokens, seconds, rounds = self.arm_evidence.get(arm, (0, 0.0, 0))
-        return tokens / seconds if rounds >= min_rounds and seconds > 0 else None
+        return tokens / seconds if rounds >= 4 * self.probe_rounds and seconds > 0 else None
 
     def _arms_to_probe(self) -> list[str]:
         """Every arm but those the pooled evidence already puts ``route_margin`` behind the best:
         arms without enough evidence first, then the others from the best pooled rate down."""
-        arms = [*self.drafters, NO_DRAFTER]
-        rates = {arm: self._pooled_rate(arm, 4 * self.probe_rounds) for arm in arms}
+        arms = self._arms
+        rates = {arm: self._pooled_rate(arm) for arm in arms}
         best = max((rate for rate in rates.values() if rate is not None), default=None)
         if best is None:
             return arms
@@ -425,9 +431,8 @@ class SpeculativeEngine:
         if not row.arm_scores:
             return row.schedule
         best = max(self._blended_rate(row, arm) for arm in row.arm_scores)
-        minimum = 4 * self.probe_rounds
         return [arm for arm in row.schedule
-                if arm in row.arm_scores or (self._pooled_rate(arm, minimum) or float("inf")) > best]
+                if arm in row.arm_scores or (self._pooled_rate(arm) or float("inf")) > best]
 
     def _blended_rate(self, row: _Row, arm: str) -> float:
         """The request's own probes of ``arm`` plus the pooled evidence, weighted as ``probe_rounds`` rounds."""
@@ -438,23 +443,24 @@ class SpeculativeEngine:
             tokens, seconds = tokens + weight * pooled_tokens, seconds + weight * pooled_seconds
         return tokens / max(seconds, 1e-9)
 
-    def _pool(self, arm: str, tokens: int, seconds: float) -> None:
-        evidence = self.arm_evidence.setdefault(arm, [0, 0.0, 0])
-        evidence[0], evidence[1], evidence[2] = evidence[0] + tokens, evidence[1] + seconds, evidence[2] + 1
+    @staticmethod
+    def _add_round(scores: dict, arm: str, tokens: int, seconds: float) -> None:
+        """Count one round of ``arm`` into an arm -> [tokens, seconds, rounds] table."""
+        score = scores.setdefault(arm, [0, 0.0, 0])
+        score[0], score[1], score[2] = score[0] + tokens, score[1] + seconds, score[2] + 1
 
     def _score(self, row: _Row, tokens: int, seconds: float) -> None:
         """Record a routed round and move to the next probe, or settle on the best arm."""
         if not row.schedule and len(row.generators) <= 1:
             return
-        score = row.arm_scores.setdefault(row.arm, [0, 0.0, 0])
-        score[0], score[1], score[2] = score[0] + tokens, score[1] + seconds, score[2] + 1
+        self._add_round(row.arm_scores, row.arm, tokens, seconds)
         if row.schedule and row.schedule[0] != row.arm:
             row.schedule = self._still_worth_probing(row)
         if row.schedule:
             row.arm = row.schedule.pop(0)
             return
         # Arms this request skipped still compete on their pooled evidence.
-        candidates = set(row.arm_scores) | {arm for arm in [*self.drafters, NO_DRAFTER] if arm in self.arm_evidence}
+        candidates = set(row.arm_scores) | {arm for arm in self._arms if arm in self.arm_evidence}
         row.arm = max(sorted(candidates), key=lambda arm: self._blended_rate(row, arm))
         row.generators = {row.arm: row.generators[row.arm]} if row.arm in row.generators else {}
         row.pending = {arm: states for arm, states in row.pending.items() if arm in row.generators}
@@ -545,7 +551,7 @@ class SpeculativeEngine:
             self._capture(row, out, i, len(new))
             if row.routed and not gated:
                 # Settled requests keep feeding the evidence (those on "no drafter" too).
-                self._pool(row.arm, len(new), row.draft_seconds + verify_share)
+                self._add_round(self.arm_evidence, row.arm, len(new), row.draft_seconds + verify_share)
             if row.generators:
                 row.accepted.append(len(new) - 1)
                 if row.generator is not None:
