@@ -51,6 +51,8 @@ def test_model_card_has_base_model_tags_and_results(targets):
     assert meta["angelspec_results"]["code"]["tau"] == 2.5
     assert "| code | 20 | 2.50 | 1.70x | yes |" in card and '"name": "dflash-code"' in card
     assert "trust_remote_code=True" in card and GENERATED_MARKER in card
+    bf16 = model_card(drafter.config, {"code": {"tau": 2.5, "dtype": "bfloat16", "max_new_tokens": 128, "threads": 1}})
+    assert "target in bfloat16 with `angelspec_hf.generation.exact.make_verification_exact`, 128 new tokens, 1 torch thread." in bf16
 
 
 def test_push_uploads_weights_config_code_and_card(targets):
@@ -145,5 +147,9 @@ def test_evaluation_writes_measured_numbers_into_the_card(targets, tmp_path):
     stored = json.loads((tmp_path / "angelspec_results.json").read_text())
     assert stored["math"]["prompts"] == 2 and stored["math"]["lossless"] is True
     assert stored["math"]["tau"] == round(results["math"].tau, 3) >= 1.0
-    meta = front_matter((tmp_path / "README.md").read_text())
+    assert stored["math"]["dtype"] == "float32" and stored["math"]["max_new_tokens"] == 12
+    card = (tmp_path / "README.md").read_text()
+    meta = front_matter(card)
     assert meta["angelspec_results"]["math"]["tau"] == stored["math"]["tau"]
+    assert meta["angelspec_results"]["math"]["dtype"] == "float32"
+    assert f"target in float32, 12 new tokens, {stored['math']['threads']} torch thread" in card

@@ -357,8 +357,11 @@ def evaluate_into_card(target, tokenizer, drafter_dir: Path, domains: list[str],
     from .hub import RESULTS_FILE, write_model_card
 
     results = measure_drafter(target, tokenizer, drafter_dir, domains, per_set, max_new_tokens)
+    setup = {"dtype": str(target.dtype).removeprefix("torch."), "max_new_tokens": max_new_tokens,
+             "threads": torch.get_num_threads()}
     summary = {domain: {"tau": round(r.tau, 3), "prompts": r.prompts, "lossless": r.identical == r.prompts,
-                        "speedup": round(r.seconds_plain / r.seconds_speculative, 3)} for domain, r in results.items()}
+                        "speedup": round(r.seconds_plain / r.seconds_speculative, 3), **setup}
+               for domain, r in results.items()}
     (Path(drafter_dir) / RESULTS_FILE).write_text(json.dumps(summary, indent=2))
     write_model_card(drafter_dir)
     return results

@@ -47,7 +47,7 @@ def model_card(config, results: dict[str, dict] | None = None, recipe: dict | No
         front.append("angelspec_results:")
         for domain, numbers in results.items():
             front.append(f"  {domain}:")
-            front += [f"    {key}: {value}" for key, value in numbers.items() if isinstance(value, (int, float, bool))]
+            front += [f"    {key}: {value}" for key, value in numbers.items() if isinstance(value, (int, float, bool, str))]
     front.append("---")
     name = repo_id or "this drafter"
     kind = {"angelspec_mtp": "MTP (autoregressive, trained with training-time test)",
@@ -81,9 +81,27 @@ def model_card(config, results: dict[str, dict] | None = None, recipe: dict | No
             speedup = f"{numbers['speedup']:.2f}x" if "speedup" in numbers else "-"
             body.append(f"| {domain} | {numbers.get('prompts', '-')} | {numbers.get('tau', 0):.2f} | {speedup} | "
                         f"{'yes' if numbers.get('lossless', True) else 'no'} |")
+        setups = sorted({_measurement_setup(numbers) for numbers in results.values()} - {""})
+        if setups:
+            body += ["", "Greedy, on held-out prompts; " + "; ".join(setups) + "."]
     if recipe:
         body += ["", "## Training recipe", "", "```json", json.dumps(recipe, indent=2), "```"]
     return "\n".join(front + [""] + body) + "\n"
+
+
+def _measurement_setup(numbers: dict) -> str:
+    """How a domain's numbers were measured, in words ("" if the results do not say): a speedup on
+    a CPU depends on the target's dtype and the threads as much as on the drafter."""
+    parts = []
+    if "dtype" in numbers:
+        # `angelspec-hf eval` verifies a reduced-precision target with exact kernels (lossless only so).
+        exact = "" if numbers["dtype"] == "float32" else " with `angelspec_hf.generation.exact.make_verification_exact`"
+        parts.append(f"target in {numbers['dtype']}{exact}")
+    if "max_new_tokens" in numbers:
+        parts.append(f"{numbers['max_new_tokens']} new tokens")
+    if "threads" in numbers:
+        parts.append(f"{numbers['threads']} torch thread{'s' if numbers['threads'] != 1 else ''}")
+    return ", ".join(parts)
 
 
 def write_model_card(directory: str | Path, config=None, results: dict | None = None, recipe: dict | None = None,
