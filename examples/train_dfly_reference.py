@@ -24,6 +24,16 @@
         --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
         --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code \\
         --rollouts data/rollouts/SmolLM2-135M-Instruct-math
+    python examples/train_dfly_reference.py dfly-code modeling-runs/dfly9 3000 0 100000 \\
+        --from modeling/SmolLM2-135M-Instruct-AngelSpec-DFly-Block8 --lr 5e-4 --code-seed 1 --seed 8 \\
+        --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct-math
+    python examples/train_dfly_reference.py dfly-code modeling-runs/dfly10 3000 0 100000 \\
+        --from modeling-runs/dfly9/lk --lr 5e-4 --code-seed 1 --seed 9 \\
+        --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct-math
 
 The first command trained the first shipped DFly drafter (over the full vocabulary; its 8192-token
 draft vocabulary was set afterwards with `angelspec-hf draft-vocab`); the second continued it
@@ -38,7 +48,11 @@ second pass over that data (`modeling-runs/dfly6/lk`, 36 minutes); the seventh a
 Magpie math rollouts and cut the code corpus to 100k tokens, so that a fresh machine fills the
 feature cache for every row in about 20 minutes (one `fill_feature_cache` process per core), and
 continued the bfloat16 weights shipped before it (commit 294d445) into the shipped one
-(`modeling-runs/dfly7/lk`, 24 minutes).
+(`modeling-runs/dfly7/lk`, 24 minutes); the eighth, after the 600 code and 450 math rollouts of
+2026-12-01/02 (data/README.md) had joined the three folders, continued the shipped (4096-token)
+drafter over them (`modeling-runs/dfly8` was a grown 4-layer run that was not shipped; 34 minutes)
+and the ninth made a second pass in a new row order into the shipped one (`modeling-runs/dfly10/lk`,
+33 minutes).
 
 Stage 1 (LK + D-PACE) runs on standard-library code framed as replies to the training split of
 the code prompts (``corpus_tokens`` of it, files in ``--code-seed`` order), the target's code and
