@@ -51,8 +51,10 @@ def test_model_card_has_base_model_tags_and_results(targets):
     assert meta["angelspec_results"]["code"]["tau"] == 2.5
     assert "| code | 20 | 2.50 | 1.70x | yes |" in card and '"name": "dflash-code"' in card
     assert "trust_remote_code=True" in card and GENERATED_MARKER in card
-    bf16 = model_card(drafter.config, {"code": {"tau": 2.5, "dtype": "bfloat16", "max_new_tokens": 128, "threads": 1}})
+    bf16 = model_card(drafter.config, {"code": {"tau": 2.5, "dtype": "bfloat16", "exact_verification": True,
+                                                    "max_new_tokens": 128, "threads": 1}})
     assert "target in bfloat16 with `angelspec_hf.generation.exact.make_verification_exact`, 128 new tokens, 1 torch thread." in bf16
+    assert front_matter(model_card(drafter.config, {"code": {"tau": 2.5, "note": "yes: no"}}))["angelspec_results"]["code"]["note"] == "yes: no"
 
 
 def test_push_uploads_weights_config_code_and_card(targets):
@@ -148,6 +150,7 @@ def test_evaluation_writes_measured_numbers_into_the_card(targets, tmp_path):
     assert stored["math"]["prompts"] == 2 and stored["math"]["lossless"] is True
     assert stored["math"]["tau"] == round(results["math"].tau, 3) >= 1.0
     assert stored["math"]["dtype"] == "float32" and stored["math"]["max_new_tokens"] == 12
+    assert stored["math"]["exact_verification"] is False
     card = (tmp_path / "README.md").read_text()
     meta = front_matter(card)
     assert meta["angelspec_results"]["math"]["tau"] == stored["math"]["tau"]

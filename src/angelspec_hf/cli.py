@@ -357,8 +357,10 @@ def evaluate_into_card(target, tokenizer, drafter_dir: Path, domains: list[str],
     from .hub import RESULTS_FILE, write_model_card
 
     results = measure_drafter(target, tokenizer, drafter_dir, domains, per_set, max_new_tokens)
-    setup = {"dtype": str(target.dtype).removeprefix("torch."), "max_new_tokens": max_new_tokens,
-             "threads": torch.get_num_threads()}
+    from .generation.exact import is_verification_exact
+
+    setup = {"dtype": str(target.dtype).removeprefix("torch."), "exact_verification": is_verification_exact(target),
+             "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads()}
     summary = {domain: {"tau": round(r.tau, 3), "prompts": r.prompts, "lossless": r.identical == r.prompts,
                         "speedup": round(r.seconds_plain / r.seconds_speculative, 3), **setup}
                for domain, r in results.items()}

@@ -47,7 +47,9 @@ def model_card(config, results: dict[str, dict] | None = None, recipe: dict | No
         front.append("angelspec_results:")
         for domain, numbers in results.items():
             front.append(f"  {domain}:")
-            front += [f"    {key}: {value}" for key, value in numbers.items() if isinstance(value, (int, float, bool, str))]
+            # Strings go in JSON quotes (valid YAML) so that no value reads back as another type.
+            front += [f"    {key}: {json.dumps(value) if isinstance(value, str) else value}"
+                      for key, value in numbers.items() if isinstance(value, (int, float, bool, str))]
     front.append("---")
     name = repo_id or "this drafter"
     kind = {"angelspec_mtp": "MTP (autoregressive, trained with training-time test)",
@@ -94,8 +96,7 @@ def _measurement_setup(numbers: dict) -> str:
     a CPU depends on the target's dtype and the threads as much as on the drafter."""
     parts = []
     if "dtype" in numbers:
-        # `angelspec-hf eval` verifies a reduced-precision target with exact kernels (lossless only so).
-        exact = "" if numbers["dtype"] == "float32" else " with `angelspec_hf.generation.exact.make_verification_exact`"
+        exact = " with `angelspec_hf.generation.exact.make_verification_exact`" if numbers.get("exact_verification") else ""
         parts.append(f"target in {numbers['dtype']}{exact}")
     if "max_new_tokens" in numbers:
         parts.append(f"{numbers['max_new_tokens']} new tokens")
