@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from angelspec_hf.generation import CostModel, DCutPolicy, FixedLengthPolicy, profile_target
-from angelspec_hf.generation.dcut import Calibrator, best_cut, best_window
+from angelspec_hf.generation.dcut import Calibrator, best_cut, best_window, step_progress, worth_extending
 from conftest import PROMPT_LENGTH
 
 
@@ -17,10 +17,10 @@ def linear_cost(base: float, per_token: float) -> CostModel:
                      seconds=[[base + per_token * (t - 1)] * 2 for t in tokens])
 
 
-def brute_force(confidences, verify):
+def brute_force(confidences, verify, sunk=0.0):
     def rate(k):
         expected = 1.0 + sum(torch.tensor(confidences[:j]).prod().item() for j in range(1, k + 1))
-        return expected / verify(k + 1)
+        return expected / (sunk + verify(k + 1))
     return max(range(len(confidences) + 1), key=rate)
 
 
@@ -32,6 +32,22 @@ def test_best_cut_is_the_brute_force_optimum(per_token):
     for _ in range(50):
         confidences = torch.rand(7, generator=generator).tolist()
         assert best_cut(confidences, verify) == brute_force(confidences, verify)
+
+
+@pytest.mark.parametrize("sunk", [0.02, 0.1, 0.5])
+def test_best_cut_counts_the_rounds_drafting_time(sunk):
+    """Drafting already spent still belongs to the round: the cut maximises tokens over drafting
+    plus verification, which keeps longer drafts than pricing verification alone."""
+    model = linear_cost(0.1, 0.03)
+    verify = lambda n: model.verify_seconds(n, 100)  # noqa: E731
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(50):
+        confidences = torch.rand(7, generator=generator).tolist()
+        assert best_cut(confidences, verify, sunk) == brute_force(confidences, verify, sunk)
+    # 1 + 0.5 (n - 1): without drafting time k=1 wins (1.9/1.5 against 2.35/2.0); with 1 s of it
+    # k=2 does (1.9/2.5 = 0.76 against 2.35/3.0 = 0.78).
+    assert best_cut([0.9, 0.5], lambda n: 1 + 0.5 * (n - 1)) == 1
+    assert best_cut([0.9, 0.5], lambda n: 1 + 0.5 * (n - 1), sunk_seconds=1.0) == 2
 
 
 def test_best_cut_extremes_by_hand():
@@ -124,6 +140,35 @@ def test_best_window_is_the_brute_force_optimum_over_per_row_lengths(per_token, 
         assert rate == pytest.approx(optimum)
 
 
+def test_slowest_row_is_the_one_needing_the_most_steps():
+    """With what rows have left, a row about to finish does not hold back one with far to go."""
+    confident, hopeless = [0.9, 0.81, 0.729], []
+    assert step_progress([confident, hopeless], 4, slowest_row=True) == 1.0  # least expected tokens
+    # The draft-less row has 2 tokens left, the confident one 100: it is the one to speed up.
+    assert step_progress([confident, hopeless], 4, True, remaining=[100, 2]) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    # The other way round the draft-less row needs 100 more steps whatever the width.
+    assert step_progress([confident, hopeless], 4, True, remaining=[2, 100]) == pytest.approx(1.0)
+    verify = lambda width: 1.0 + 0.1 * (width - 1)  # noqa: E731
+    assert best_window([confident, hopeless], verify, slowest_row=True) == 1
+    assert best_window([confident, hopeless], verify, slowest_row=True, remaining=[100, 2]) == 4
+    with pytest.raises(ValueError, match="one per active row"):
+        step_progress([confident, hopeless], 4, True, remaining=[100])
+
+
+@pytest.mark.parametrize("remaining", [None, [5, 40, 40], [40, 3, 12]])
+@pytest.mark.parametrize("sunk", [0.0, 0.3])
+def test_best_window_with_drafting_time_and_what_rows_have_left_is_the_brute_force_optimum(sunk, remaining):
+    generator = torch.Generator().manual_seed(5)
+    verify = lambda width: 1.0 + 0.1 * (width - 1)  # noqa: E731
+    for _ in range(30):
+        survivals = [torch.rand(length, generator=generator).cumprod(0).tolist()
+                     for length in torch.randint(0, 6, (3,), generator=generator).tolist()]
+        longest = max(map(len, survivals))
+        rates = {w: step_progress(survivals, w, True, remaining) / (sunk + verify(w)) for w in range(1, longest + 2)}
+        width = best_window(survivals, verify, slowest_row=True, sunk_seconds=sunk, remaining=remaining)
+        assert rates[width] == pytest.approx(max(rates.values()))
+
+
 def test_batch_dcut_with_nothing_queued_drafts_for_the_slowest_row():
     """With requests waiting, one confident row pays for a wide window; with none waiting the run
     ends with its longest request, and a row that would accept nothing keeps the window at 1."""
@@ -147,6 +192,26 @@ def test_batch_dcut_with_nothing_queued_drafts_for_the_slowest_row():
     policy.efficiency = None
     policy.observe([(rows[0], 7), (rows[1], 0)], batch=2, width=8, context=10, draft_seconds=0.0, queued=False)
     assert policy.efficiency == pytest.approx(1 / 1.5)
+
+
+def test_policies_learn_drafting_time_and_count_it_in_the_cut():
+    """Both policies keep a moving average of drafting time (per position at batch 1, per drafting
+    row in the engine) and charge it to the round, so they cut less once drafting is known to cost."""
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    # 1 + 0.5 (n - 1) seconds to verify n tokens: with nothing spent drafting one draft is best.
+    model = CostModel(target="t", hardware="t", tokens=[1, 3], contexts=[0, 100], seconds=[[1.0, 1.0], [2.0, 2.0]])
+    single = DCutPolicy(model, explore_every=1000)
+    assert single.choose([0.9, 0.5], context=10) == 1
+    single.observe([0.9], accepted=1, draft_seconds=1.0, context=10)  # 1 s for the 2 positions drafted
+    assert single.position_seconds == pytest.approx(0.5)
+    assert single.choose([0.9, 0.5], context=10) == 2  # 1.9 / 2.5 < 2.35 / 3.0
+
+    batch = BatchDCutPolicy(model, explore_every=1000)
+    assert batch.window([[0.9, 0.5]], batch=1, context=10) == 2  # the pending token and one draft
+    batch.observe([([0.9], 1)], batch=1, width=2, context=10, draft_seconds=1.0)
+    assert batch.row_draft_seconds == pytest.approx(1.0)
+    assert batch.window([[0.9, 0.5]], batch=1, context=10) == 3  # 1.9 / 2.5 < 2.35 / 3.0
 
 
 def batch16_cost() -> CostModel:
@@ -269,8 +334,6 @@ def test_fixed_length_policy_keeps_everything(targets):
 
 def test_worth_extending_matches_the_brute_force_optimum():
     """Stopping where extending no longer pays never stops before the optimum of the full draft."""
-    from angelspec_hf.generation.dcut import worth_extending
-
     # A linear cost, and one measured shape: 2 tokens dearer than 4 or 8 (MKL's few-row kernels).
     measured = CostModel(target="t", hardware="t", tokens=[1, 2, 4, 8, 16], contexts=[0, 4096],
                          seconds=[[0.059] * 2, [0.124] * 2, [0.121] * 2, [0.102] * 2, [0.112] * 2])
@@ -282,6 +345,16 @@ def test_worth_extending_matches_the_brute_force_optimum():
             survival = torch.tensor(confidences).cumprod(0).tolist()
             stop = next((j for j in range(1, 8) if not worth_extending(survival[:j], verify, 7)), 7)
             assert stop >= brute_force(confidences, verify)
+    # With drafting time per position the stop never comes before the best drafted depth either.
+    for per_position in (0.005, 0.03):
+        verify = lambda n: linear_cost(0.1, 0.03).verify_seconds(n, 100)  # noqa: E731
+        generator = torch.Generator().manual_seed(4)
+        for _ in range(100):
+            confidences = sorted(torch.rand(7, generator=generator).tolist(), reverse=True)
+            survival = torch.tensor(confidences).cumprod(0).tolist()
+            depth = max(range(8), key=lambda k: (1 + sum(survival[:k])) / (k * per_position + verify(k + 1)))
+            stop = next((j for j in range(1, 8) if not worth_extending(survival[:j], verify, 7, per_position)), 7)
+            assert stop >= depth
     # A cost that dips after a rise: a one-step look-ahead stops after one draft (the second costs
     # 1.2 more for at most 0.9 tokens), but the third makes the window cheaper again and both pay.
     dip = {1: 1.0, 2: 1.2, 3: 2.4, 4: 1.3}
@@ -341,4 +414,4 @@ def test_saved_profiles_are_keyed_by_exact_kernels_and_cover_the_batch_sizes_ask
     cost_model.load_or_profile(target, "tiny", batch_sizes=(1,))
     assert measured == [("tiny@bfloat16+exact", (1,))]
     cost_model.load_or_profile(target, "tiny")
-    assert measured[-1] == ("tiny@bfloat16+exact", (1, 4, 16))
+    assert measured[-1] == ("tiny@bfloat16+exact", cost_model.ENGINE_BATCH_SIZES)

@@ -134,15 +134,16 @@ def test_batch_dcut_cuts_and_every_row_equals_its_plain_generate(setup, name):
     assert any(1 < w < longest for w in policy.windows) and longest in policy.windows, policy.windows
 
 
-def test_engine_tells_the_batch_policy_whether_requests_wait(setup):
+def test_engine_tells_the_batch_policy_whether_requests_wait_and_what_rows_have_left(setup):
     target, drafters, prompts = setup
     policy = cutting_policy(explore_every=2)
-    seen = []
+    seen, left = [], []
     window = policy.window
 
-    def recording_window(confidences, batch, context, queued=True):
+    def recording_window(confidences, batch, context, queued=True, remaining=None):
         seen.append(queued)
-        return window(confidences, batch, context, queued=queued)
+        left.append((len(confidences), batch, remaining))
+        return window(confidences, batch, context, queued=queued, remaining=remaining)
 
     policy.window = recording_window
     engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=3, policy=policy)
@@ -151,6 +152,12 @@ def test_engine_tells_the_batch_policy_whether_requests_wait(setup):
         assert output == plain(target, prompt, max_new_tokens=12, eos_token_id=None)
     # 8 prompts, 3 slots: the first steps have requests waiting, the last ones none.
     assert seen[0] is True and seen[-1] is False, seen
+    # One count per active row, each what that row still has to make; the first step follows the
+    # prefill's token, so every row has 11 of its 12 left.
+    assert left[0] == (3, 3, [11, 11, 11]), left[0]
+    for drafting, batch, remaining in left:
+        assert len(remaining) == batch and drafting <= batch and all(1 <= r <= 11 for r in remaining)
+    assert any(len(set(remaining)) > 1 for _, _, remaining in left)
 
 
 def test_batch_dcut_stops_drafting_that_never_pays(setup):
@@ -231,7 +238,7 @@ class _ClosedThenOpen:
         self.closed -= 1
         return self.closed < 0
 
-    def window(self, confidences, batch, context, queued) -> int:
+    def window(self, confidences, batch, context, queued, remaining) -> int:
         return 1 + max(map(len, confidences), default=0)
 
     def observe(self, outcomes, batch, width, context, draft_seconds, queued) -> None:

@@ -103,9 +103,10 @@ class SpeculativeEngine:
 
     With ``policy=BatchDCutPolicy(load_or_profile(target, name))`` the verify window of every
     step is chosen across the batch and drafting stops when it does not pay (a policy of your own
-    needs ``should_draft()``, ``window(confidences, batch, context, queued)`` and
+    needs ``should_draft()``, ``window(confidences, batch, context, queued, remaining)`` and
     ``observe(outcomes, batch, width, context, draft_seconds, queued)``; ``queued`` says whether
-    requests wait for a slot). After a call,
+    requests wait for a slot, ``remaining`` lists the active rows' tokens still to generate, the
+    drafting rows' first, in the order of ``confidences``). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
     ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its probe
     rounds. ``arm_evidence`` holds the pooled evidence of every routed round: arm -> (tokens,
@@ -509,8 +510,12 @@ class SpeculativeEngine:
         batch, context = sum(active), valid.shape[1]
         width = 1 + max(len(d) for d in drafts)
         if policy is not None and width > 1:
-            confidences = [row.generator.last_confidences or [] for row, d in zip(rows, drafts) if d]
-            width = policy.window(confidences, batch, context, queued=queued)
+            drafted = [(row, d) for row, d, a in zip(rows, drafts, active) if d and a]
+            confidences = [row.generator.last_confidences or [] for row, _ in drafted]
+            # Drafting rows first, then the active rows without drafts, as `window` documents.
+            remaining = [row.max_new_tokens - row.new_tokens for row, _ in drafted]
+            remaining += [row.max_new_tokens - row.new_tokens for row, d, a in zip(rows, drafts, active) if a and not d]
+            width = policy.window(confidences, batch, context, queued=queued, remaining=remaining)
             drafts = [d[: width - 1] for d in drafts]
             for row in rows:
                 if row.draft_logits is not None:
