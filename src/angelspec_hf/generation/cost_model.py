@@ -104,7 +104,7 @@ def profile_path(target_name: str) -> Path:
 # Batch sizes the engine's profile measures. Batch 2 and 8-12 are measured rather than
 # interpolated: on the reference target (an AMD CPU, 2 threads, float32) a plain step of 2 rows
 # costs what one of 4 does (113 ms, where interpolating between 1 and 4 said 79 ms), and 12 rows
-# verifying 8 slots cost 416 ms where interpolating between 4 and 16 said 342. Priced so, D-cut
+# verifying 8 slots at context 256 cost 416 ms where interpolating between 4 and 16 said 335. Priced so, D-cut
 # thought plain steps cheap at the end of a batch and drafting cheap in a full one. At concurrency 4
 # (DFly-Block8, 12 prompts) it ran 8% below fixed windows in the bench of 2026-12-02; with the
 # dense grid 3% and 10% above them in two interleaved runs.

@@ -84,7 +84,8 @@ def step_progress(survivals: list[list[float]], width: int, slowest_row: bool = 
 
     Summed over rows; with ``slowest_row``, the progress of the row that would take the most such
     steps to finish: ``max(remaining) * min_r min(E_r, remaining_r) / remaining_r``, which is the
-    least expected tokens of any row when ``remaining`` is not given (or all equal).
+    least expected tokens of any row when ``remaining`` is not given (or all equal and no row
+    expects more tokens than it has left).
     """
     gains = [expected_tokens(s, width - 1) for s in survivals]
     if not slowest_row:
@@ -258,7 +259,7 @@ class DCutPolicy(_DraftGate):
         """Learn from a verified round: which kept positions were accepted, and what drafting cost."""
         for position, confidence in enumerate(confidences[: accepted + 1]):
             self.calibrator.update(confidence, position < accepted)
-        drafted = max(self.drafted, len(confidences), 1)
+        drafted, self.drafted = max(self.drafted, len(confidences), 1), 0
         self.position_seconds = _moving(self.position_seconds, draft_seconds / drafted, self.smoothing)
         verify = self.verify(context)
         self._record_rate(accepted + 1, draft_seconds + verify(len(confidences) + 1), 1, verify(1))

@@ -85,6 +85,10 @@ class _Row:
     def new_tokens(self) -> int:
         return len(self.tokens) - self.prompt_length
 
+    @property
+    def tokens_left(self) -> int:
+        return self.max_new_tokens - self.new_tokens
+
 
 def _pad_left(tensor: torch.Tensor, length: int, dim: int, value=0) -> torch.Tensor:
     missing = length - tensor.shape[dim]
@@ -510,11 +514,11 @@ class SpeculativeEngine:
         batch, context = sum(active), valid.shape[1]
         width = 1 + max(len(d) for d in drafts)
         if policy is not None and width > 1:
-            drafted = [(row, d) for row, d, a in zip(rows, drafts, active) if d and a]
-            confidences = [row.generator.last_confidences or [] for row, _ in drafted]
+            drafted = [row for row, d, a in zip(rows, drafts, active) if d and a]
+            undrafted = [row for row, d, a in zip(rows, drafts, active) if a and not d]
+            confidences = [row.generator.last_confidences or [] for row in drafted]
             # Drafting rows first, then the active rows without drafts, as `window` documents.
-            remaining = [row.max_new_tokens - row.new_tokens for row, _ in drafted]
-            remaining += [row.max_new_tokens - row.new_tokens for row, d, a in zip(rows, drafts, active) if a and not d]
+            remaining = [row.tokens_left for row in drafted + undrafted]
             width = policy.window(confidences, batch, context, queued=queued, remaining=remaining)
             drafts = [d[: width - 1] for d in drafts]
             for row in rows:
@@ -544,8 +548,7 @@ class SpeculativeEngine:
             new = self._accept(row, draft, out.logits[i])
             if draft and policy is not None:
                 outcomes.append(((row.generator.last_confidences or [])[: len(draft)], len(new) - 1))
-            budget = row.max_new_tokens - row.new_tokens
-            new = new[:budget]
+            new = new[: row.tokens_left]
             for j, token in enumerate(new):
                 if token in eos:
                     new = new[: j + 1]
