@@ -275,6 +275,49 @@ def test_batch_retries_wait_until_their_loss_fits_the_probe_budget(budget, wait)
     assert [policy.should_draft() for _ in range(wait)] == [False] * (wait - 1) + [True]
 
 
+def test_batch_gate_reopens_when_the_batch_shrinks_enough_for_drafting_to_pay():
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    policy = BatchDCutPolicy(batch16_cost(), explore_every=8, probe_budget=None)
+    # 16 rows, nothing queued, every row accepted 3 of 7: the slowest row made 4 tokens in
+    # 1.6 s drafting + 16 s verifying, where a plain step makes 1 in 2 s.
+    policy.observe([([0.9] * 7, 3)] * 16, batch=16, width=8, context=10, draft_seconds=1.6, queued=False)
+    assert policy.efficiency == pytest.approx((4 / 17.6) / (1 / 2.0))
+    assert policy.predicted_efficiency(16, 10) == pytest.approx(policy.efficiency)
+    # One row left: 0.1 s drafting + 1.2 s verifying 8 slots for 4 tokens, against 1 token in 1 s.
+    assert policy.predicted_efficiency(1, 10) == pytest.approx((4 / 1.3) / 1.0)
+    assert [policy.should_draft(16, 10, False) for _ in range(7)] == [False] * 7
+    assert policy.should_draft(1, 10, False)
+    assert policy.skipped == 0
+    # The queue state changed the objective: no repricing, the timed retry decides.
+    assert not policy.should_draft(1, 10, True)
+
+
+def test_batch_dcut_calibrates_each_drafter_on_its_own():
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    policy = BatchDCutPolicy(linear_cost(1.0, 0.1), explore_every=1000)
+    # One drafter's 0.9 confidences always fail, the other's always hold.
+    for _ in range(100):
+        policy.observe([([0.9] * 3, 0), ([0.9] * 3, 3)], batch=2, width=4, context=10, draft_seconds=0.0,
+                       arms=["overconfident", "honest"])
+    assert policy.calibrator_for("overconfident")(0.9) < 0.1
+    assert policy.calibrator_for("honest")(0.9) > 0.9
+    assert policy.calibrator(0.9) == pytest.approx(0.9)  # rows without a drafter name: untouched
+    # Alone in the batch, the honest drafter's draft is verified whole, the other's not at all.
+    assert policy.window([[0.9] * 3], batch=1, context=10, arms=["honest"]) == 4
+    assert policy.window([[0.9] * 3], batch=1, context=10, arms=["overconfident"]) == 1
+
+
+def test_batch_gate_without_a_measured_step_cannot_predict():
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    policy = BatchDCutPolicy(batch16_cost())
+    assert policy.should_draft(16, 10, False)
+    with pytest.raises(ValueError, match="measured drafting step"):
+        policy.predicted_efficiency(16, 10)
+
+
 def test_probe_budget_bounds_the_time_lost_to_retries():
     from angelspec_hf.generation import BatchDCutPolicy
 

@@ -137,13 +137,14 @@ def test_batch_dcut_cuts_and_every_row_equals_its_plain_generate(setup, name):
 def test_engine_tells_the_batch_policy_whether_requests_wait_and_what_rows_have_left(setup):
     target, drafters, prompts = setup
     policy = cutting_policy(explore_every=2)
-    seen, left = [], []
+    seen, left, named = [], [], []
     window = policy.window
 
-    def recording_window(confidences, batch, context, queued=True, remaining=None):
+    def recording_window(confidences, batch, context, queued=True, remaining=None, arms=None):
         seen.append(queued)
         left.append((len(confidences), batch, remaining))
-        return window(confidences, batch, context, queued=queued, remaining=remaining)
+        named.append((len(confidences), arms))
+        return window(confidences, batch, context, queued=queued, remaining=remaining, arms=arms)
 
     policy.window = recording_window
     engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=3, policy=policy)
@@ -158,6 +159,9 @@ def test_engine_tells_the_batch_policy_whether_requests_wait_and_what_rows_have_
     for drafting, batch, remaining in left:
         assert len(remaining) == batch and drafting <= batch and all(1 <= r <= 11 for r in remaining)
     assert any(len(set(remaining)) > 1 for _, _, remaining in left)
+    # Every drafting row is named by its drafter (one drafter: the engine calls it "drafter").
+    assert all(arms == ["drafter"] * drafting for drafting, arms in named), named
+    assert set(policy.calibrators) == {"drafter"}
 
 
 def test_batch_dcut_stops_drafting_that_never_pays(setup):
@@ -234,14 +238,14 @@ class _ClosedThenOpen:
     def __init__(self, closed: int):
         self.closed = closed
 
-    def should_draft(self) -> bool:
+    def should_draft(self, batch, context, queued) -> bool:
         self.closed -= 1
         return self.closed < 0
 
-    def window(self, confidences, batch, context, queued, remaining) -> int:
+    def window(self, confidences, batch, context, queued, remaining, arms) -> int:
         return 1 + max(map(len, confidences), default=0)
 
-    def observe(self, outcomes, batch, width, context, draft_seconds, queued) -> None:
+    def observe(self, outcomes, batch, width, context, draft_seconds, queued, arms) -> None:
         pass
 
 
@@ -422,3 +426,14 @@ def test_a_request_going_as_well_as_the_pooled_best_probes_nothing_else(setup):
     assert typical.arm == "fitted" and typical.schedule == [] and set(typical.arm_scores) == {"fitted"}
     atypical = routed(1)  # 25 tokens/s on its own, 62.5 blended: "none" (75 pooled) is worth a try
     assert atypical.arm == "none" and set(atypical.arm_scores) == {"fitted"}
+
+
+def test_routed_rows_are_calibrated_per_drafter(setup):
+    """In a routed batch each drafter's confidences calibrate on their own: the useless drafter's
+    misses never lower what the fitted drafter's confidences are worth."""
+    policy = cutting_policy(explore_every=2)
+    engine = _fitted_against_useless(setup, max_batch_size=4, policy=policy)
+    _serve_five_checked(setup, engine, forward_seconds=0.05)
+    assert set(policy.calibrators) == {"fitted", "useless"}, policy.calibrators
+    fitted, useless = (sum(policy.calibrators[arm].seen) for arm in ("fitted", "useless"))
+    assert fitted > 0 and useless > 0

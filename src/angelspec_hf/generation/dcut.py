@@ -19,7 +19,10 @@ The candidate generators look for ``drafter.draft_policy`` (duck-typed: ``should
 all active requests, priced by the batch-aware cost model ``C(batch, window, context)``; the
 window is widened only while the survivals it admits, summed over requests, raise expected tokens
 per second, and drafting stops for the whole batch when it has not been paying (on a CPU at
-concurrency 16 a forward is compute-bound and drafted slots are rarely worth their cost).
+concurrency 16 a forward is compute-bound and drafted slots are rarely worth their cost). The
+closed gate reopens as soon as its last drafting step, repriced at the current batch and context,
+would pay (`BatchDCutPolicy.predicted_efficiency`), and each drafter of a routed batch has its own
+calibration.
 """
 
 from __future__ import annotations
@@ -286,15 +289,55 @@ class BatchDCutPolicy(_DraftGate):
         self.expected_gain: float | None = None  # what `window` expects the step to make, for `observe`
         self.row_draft_seconds: float | None = None  # moving average of a step's drafting time per drafting row
         self.drafting_rows = 0  # rows that drafted in the step being verified (what `window` saw)
+        self.last_step: _MeasuredStep | None = None  # what the latest drafting step was, for `predicted_efficiency`
+        # One calibration per drafter: rows of a routed engine draft with different drafters, whose
+        # confidences mean different acceptance rates (``self.calibrator`` serves rows without a name).
+        self.calibrators: dict[str, Calibrator] = {}
+
+    def calibrator_for(self, arm: str | None) -> Calibrator:
+        if arm is None:
+            return self.calibrator
+        return self.calibrators.setdefault(arm, Calibrator())
 
     def verify(self, batch: int, context: int):
         return lambda width: self.cost_model.verify_seconds(width, context, batch)
 
+    def should_draft(self, batch: int | None = None, context: int | None = None, queued: bool = True) -> bool:
+        """Whether this step drafts: while drafting pays; else when `predicted_efficiency` says the
+        batch or context has changed enough that it would pay now; else on the timed retries of
+        `_DraftGate`. The engine passes the step's active rows, context and queue state."""
+        last = self.last_step
+        closed = self.efficiency is not None and self.efficiency < 1.0
+        # A step under the other objective (the queue filled or emptied) is not repriced: timed retries.
+        if closed and batch is not None and context is not None and last is not None and last.queued == queued:
+            if self.predicted_efficiency(batch, context) >= 1.0:
+                self.skipped = 0
+                return True
+        return super().should_draft()
+
+    def predicted_efficiency(self, batch: int, context: int) -> float:
+        """The gate's efficiency carried over to a step of ``batch`` rows at ``context``: the last
+        drafting step's gain, drafting share and window repriced with the cost model, relative to
+        what they were worth where they were measured. Unchanged conditions give the efficiency
+        itself, so only a real change (rows leaving, contexts growing) reopens the gate.
+
+        Why: timed retries at unchanged conditions cannot tell a batch that has shrunk to where
+        drafting pays (the end of a concurrency-16 run, where the longest requests finish alone)
+        from one where it still loses, and each costs a whole batch's drafting round (on the
+        reference CPU with 12 rows 0.3-0.7 plain steps). A step whose window was cut to nothing
+        reprices as nothing, so only the timed retries reopen the gate after it."""
+        if self.efficiency is None or self.last_step is None:
+            raise ValueError("predicted_efficiency needs a measured drafting step first")
+        last = self.last_step
+        return self.efficiency * last.relative_rate(self, batch, context) / last.relative_rate(
+            self, last.batch, last.context)
+
     def window(self, confidences: list[list[float]], batch: int, context: int, queued: bool = True,
-               remaining: list[int] | None = None) -> int:
+               remaining: list[int] | None = None, arms: list[str] | None = None) -> int:
         """Verify window for this step (1 = no drafts); ``confidences`` of the rows that drafted;
         ``remaining``: tokens still to generate for every active row, the drafting rows first in the
-        order of ``confidences`` (see `best_window`).
+        order of ``confidences`` (see `best_window`); ``arms``: the drafter each drafting row used,
+        in the same order, so that each drafter's confidences are calibrated on their own.
 
         ``queued``: whether requests wait for a slot. If they do, every accepted token frees capacity
         for them and tokens per second summed over rows is what to maximise; if not, the run ends
@@ -307,7 +350,8 @@ class BatchDCutPolicy(_DraftGate):
         self.decisions += 1
         self.drafting_rows = len(confidences)
         longest = max((len(c) for c in confidences), default=0)
-        survivals = [survival_of([self.calibrator(c) for c in row]) for row in confidences]
+        arms = arms if arms is not None else [None] * len(confidences)
+        survivals = [survival_of([self.calibrator_for(arm)(c) for c in row]) for row, arm in zip(confidences, arms)]
         survivals += [[]] * (batch - len(confidences))
         if self.decisions % self.explore_every == 0:
             width = longest + 1
@@ -320,9 +364,9 @@ class BatchDCutPolicy(_DraftGate):
         return width
 
     def observe(self, kept: list[tuple[list[float], int]], batch: int, width: int, context: int,
-                draft_seconds: float, queued: bool = True) -> None:
+                draft_seconds: float, queued: bool = True, arms: list[str] | None = None) -> None:
         """Learn from a verified step: per drafting row its kept confidences and accepted count,
-        plus what the step's drafting cost in total; ``queued`` as in `window`.
+        plus what the step's drafting cost in total; ``queued`` and ``arms`` as in `window`.
 
         The gate weighs the step by what `window` expected of it (calibrated survivals of the window
         it chose), not by what was accepted: a few rows' acceptances vary far more from step to
@@ -331,9 +375,10 @@ class BatchDCutPolicy(_DraftGate):
         1.09x plain batched decoding gated on realised counts, 1.28x / 1.36x with the gate held
         open, fixed windows of 4 / 8 tokens 1.34x / 1.16x). A step `window` did not see counts as
         accepted."""
-        for confidences, accepted in kept:
+        for (confidences, accepted), arm in zip(kept, arms if arms is not None else [None] * len(kept)):
+            calibrator = self.calibrator_for(arm)
             for position, confidence in enumerate(confidences[: accepted + 1]):
-                self.calibrator.update(confidence, position < accepted)
+                calibrator.update(confidence, position < accepted)
         rows, self.drafting_rows = max(self.drafting_rows, len(kept), 1), 0
         self.row_draft_seconds = _moving(self.row_draft_seconds, draft_seconds / rows, self.smoothing)
         verify = self.verify(batch, context)
@@ -345,4 +390,26 @@ class BatchDCutPolicy(_DraftGate):
         else:
             # Rows that did not draft advanced one token, like a plain step.
             gained = 1 + (min(accepted for _, accepted in kept) if len(kept) == batch else 0)
+        self.last_step = _MeasuredStep(batch, context, queued, width, rows / batch, gained)
         self._record_rate(gained, draft_seconds + verify(width), plain, verify(1))
+
+
+@dataclass
+class _MeasuredStep:
+    """A drafting step as `BatchDCutPolicy` measured it, enough to reprice it elsewhere."""
+
+    batch: int
+    context: int
+    queued: bool
+    width: int
+    drafting_share: float  # fraction of the active rows that drafted
+    gain: float  # in the step's objective: tokens summed over rows if queued, else the slowest row's
+
+    def relative_rate(self, policy: "BatchDCutPolicy", batch: int, context: int) -> float:
+        """Tokens per second of this step at ``batch`` rows and ``context``, over a plain step's there."""
+        # The summed objective grows with the rows; the slowest row's progress does not.
+        gain = self.gain * batch / self.batch if self.queued else self.gain
+        verify = policy.verify(batch, context)
+        drafting = (policy.row_draft_seconds or 0.0) * self.drafting_share * batch
+        plain = batch if self.queued else 1
+        return (gain / (drafting + verify(self.width))) / (plain / verify(1))

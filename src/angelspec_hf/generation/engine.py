@@ -107,10 +107,11 @@ class SpeculativeEngine:
 
     With ``policy=BatchDCutPolicy(load_or_profile(target, name))`` the verify window of every
     step is chosen across the batch and drafting stops when it does not pay (a policy of your own
-    needs ``should_draft()``, ``window(confidences, batch, context, queued, remaining)`` and
-    ``observe(outcomes, batch, width, context, draft_seconds, queued)``; ``queued`` says whether
-    requests wait for a slot, ``remaining`` lists the active rows' tokens still to generate, the
-    drafting rows' first, in the order of ``confidences``). After a call,
+    needs ``should_draft(batch, context, queued)``, ``window(confidences, batch, context, queued,
+    remaining, arms)`` and ``observe(outcomes, batch, width, context, draft_seconds, queued, arms)``;
+    ``queued`` says whether requests wait for a slot, ``remaining`` lists the active rows' tokens
+    still to generate, the drafting rows' first, in the order of ``confidences``, and ``arms`` names
+    the drafter of each drafting row, in the same order). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
     ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its probe
     rounds. ``arm_evidence`` holds the pooled evidence of every routed round: arm -> (tokens,
@@ -506,12 +507,12 @@ class SpeculativeEngine:
         policy = self.policy
         any_drafter = any(row.generator is not None for row, a in zip(rows, active) if a)
         # A round the policy keeps every drafter out of is plain decoding whatever a row's arm: no probe.
-        gated = any_drafter and policy is not None and not policy.should_draft()
+        batch, context = sum(active), valid.shape[1]
+        gated = any_drafter and policy is not None and not policy.should_draft(batch, context, queued)
         drafting = any_drafter and not gated
         for row in rows:
             row.draft_seconds, row.draft_logits = 0.0, None
         drafts = self._draft(rows, active) if drafting else [[] for _ in rows]
-        batch, context = sum(active), valid.shape[1]
         width = 1 + max(len(d) for d in drafts)
         if policy is not None and width > 1:
             drafted = [row for row, d, a in zip(rows, drafts, active) if d and a]
@@ -519,7 +520,8 @@ class SpeculativeEngine:
             confidences = [row.generator.last_confidences or [] for row in drafted]
             # Drafting rows first, then the active rows without drafts, as `window` documents.
             remaining = [row.tokens_left for row in drafted + undrafted]
-            width = policy.window(confidences, batch, context, queued=queued, remaining=remaining)
+            width = policy.window(confidences, batch, context, queued=queued, remaining=remaining,
+                                  arms=[row.arm for row in drafted])
             drafts = [d[: width - 1] for d in drafts]
             for row in rows:
                 if row.draft_logits is not None:
@@ -538,7 +540,7 @@ class SpeculativeEngine:
         out = self._forward(ids, mask, positions, cache)
         verify_share = (time.perf_counter() - start) / max(sum(active), 1)
         kept = torch.zeros_like(window_valid)
-        outcomes = []  # (kept confidences, accepted) of the rows that drafted, for the policy
+        outcomes, outcome_arms = [], []  # (kept confidences, accepted) of the rows that drafted, and their arms
         for i, (row, draft) in enumerate(zip(rows, drafts)):
             if flushing[i]:
                 self._capture(row, out, i, 1)
@@ -548,6 +550,7 @@ class SpeculativeEngine:
             new = self._accept(row, draft, out.logits[i])
             if draft and policy is not None:
                 outcomes.append(((row.generator.last_confidences or [])[: len(draft)], len(new) - 1))
+                outcome_arms.append(row.arm)
             new = new[: row.tokens_left]
             for j, token in enumerate(new):
                 if token in eos:
@@ -568,5 +571,6 @@ class SpeculativeEngine:
                 if not gated:
                     self._score(row, len(new), row.draft_seconds + verify_share)
         if policy is not None and drafting:
-            policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows), queued=queued)
+            policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows), queued=queued,
+                           arms=outcome_arms)
         return cache, torch.cat([valid, kept], dim=1)
