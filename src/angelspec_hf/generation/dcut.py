@@ -214,7 +214,7 @@ class _DraftGate:
 
     def _record_rate(self, tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> None:
         """One drafting round made ``tokens`` in ``seconds``; a plain step makes ``plain_tokens`` in ``plain_seconds``."""
-        ratio = (tokens / seconds) / (plain_tokens / plain_seconds)
+        ratio = rate_over_plain(tokens, seconds, plain_tokens, plain_seconds)
         self.efficiency = _moving(self.efficiency, ratio, self.smoothing)
         self.lost_steps = max(0.0, seconds / plain_seconds - tokens / plain_tokens)
         self.backoff = 1 if self.efficiency >= 1.0 else min(2 * self.backoff, self.max_backoff)
@@ -266,6 +266,11 @@ class DCutPolicy(_DraftGate):
         self.position_seconds = _moving(self.position_seconds, draft_seconds / drafted, self.smoothing)
         verify = self.verify(context)
         self._record_rate(accepted + 1, draft_seconds + verify(len(confidences) + 1), 1, verify(1))
+
+
+def rate_over_plain(tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> float:
+    """A drafting round's tokens per second over a plain step's: what the draft gate calls efficiency."""
+    return (tokens / seconds) / (plain_tokens / plain_seconds)
 
 
 def _moving(average: float | None, value: float, smoothing: float) -> float:
@@ -412,4 +417,4 @@ class _MeasuredStep:
         verify = policy.verify(batch, context)
         drafting = (policy.row_draft_seconds or 0.0) * self.drafting_share * batch
         plain = batch if self.queued else 1
-        return (gain / (drafting + verify(self.width))) / (plain / verify(1))
+        return rate_over_plain(gain, drafting + verify(self.width), plain, verify(1))
