@@ -28,8 +28,12 @@ def test_unrolled_chain_drafts_what_inference_drafts(targets, reduced, style):
     ids = torch.unique(sequence) if reduced else None
     drafter = MTPDrafter.from_target(target, num_draft_tokens=3, draft_token_ids=ids, layer_style=style).eval()
     with torch.no_grad():
+        # Sharp, strong attention, so that a draft step placed one position off (as inference once
+        # did) changes which tokens the chain drafts; weak near-uniform random attention hides it.
+        for projection in ("q_proj", "k_proj", "v_proj"):
+            getattr(drafter.self_attn, projection).weight.mul_(16.0)
         chain = run_chain(target, drafter, sequence)
-    for origin in (PROMPT_LENGTH, 12, 25):
+    for origin in range(PROMPT_LENGTH, sequence.shape[1] - 4):
         generator = MTPCandidateGenerator(drafter, target, GenerationConfig(max_length=200, do_sample=False), None)
         prefill = target(sequence[:, : origin + 1], output_hidden_states=True)
         candidates, _ = generator.get_candidates(sequence[:, : origin + 2], model_kwargs={}, model_outputs=prefill,

@@ -263,7 +263,10 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
         past = tuple(stack_right_padded([generator.past[part] for generator in generators], dim=2) for part in range(2))
         context_mask = cls.stacked_context_mask(generators, lengths)
         hidden = torch.cat([generator.last_hidden for generator in generators])
-        positions = torch.tensor([[ids.shape[1] - 1] for ids in input_ids], device=input_ids[0].device)
+        # The last ingested origin sits at position len - 2 (its feature's), and draft step k plays
+        # origin len - 2 + k, as in training (training/mtp.py); len - 1 put every step one position
+        # late, which the shipped drafter's chains then drafted differently (7 of 85 on MT-Bench rows).
+        positions = torch.tensor([[ids.shape[1] - 2] for ids in input_ids], device=input_ids[0].device)
         # A reduced head's picks are made over its own columns and mapped to target ids.
         token_ids = drafter.draft_token_ids() if drafter.lm_head is not None else None
         draft, previous = BatchedDraft(generators, input_ids, budgets, token_ids), None
