@@ -344,8 +344,9 @@ def test_probe_budget_is_checked():
 def test_generate_with_dcut_stays_identical_and_follows_the_cost(targets, kind, per_token):
     target = targets.target("llama")
     drafter = targets.fitted("llama", kind)
-    # Seconds per verification far above the tiny drafter's own cost, so only the curve decides.
-    policy = drafter.draft_policy = DCutPolicy(linear_cost(1.0, per_token), explore_every=8)
+    # Seconds per verification far above the tiny drafter's own cost, taken as this machine's (no
+    # pace), so only the curve decides.
+    policy = drafter.draft_policy = DCutPolicy(linear_cost(1.0, per_token), explore_every=8, track_pace=False)
     try:
         drafted = []
         for row in targets.sequences("llama")[:4]:
@@ -458,3 +459,75 @@ def test_saved_profiles_are_keyed_by_exact_kernels_and_cover_the_batch_sizes_ask
     assert measured == [("tiny@bfloat16+exact", (1,))]
     cost_model.load_or_profile(target, "tiny")
     assert measured[-1] == ("tiny@bfloat16+exact", cost_model.ENGINE_BATCH_SIZES)
+
+
+@pytest.mark.parametrize("slowdown", [0.5, 2.0, 3.0])
+def test_drafting_time_counts_at_the_profiles_speed(slowdown):
+    """On a machine running at another speed than its profile (a saved profile reused in a slow
+    spell), drafting and forwards are both slower by the same factor. The pace of the recorded
+    forwards puts drafting back into the profile's time, so efficiency, learned drafting time and
+    windows are what they are at the profile's speed; without it slow drafting closes the gate."""
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    def step(policy, machine):
+        # Batch 1: verifying 8 tokens costs 1.2 s, one token 1.0 s (`batch16_cost`); 2 s drafting.
+        policy.record_forward(1.2 * machine, width=8, context=10)
+        width = policy.window([[0.9] * 7], batch=1, context=10)
+        policy.observe([([0.9] * 7, 3)], batch=1, width=width, context=10, draft_seconds=2.0 * machine)
+
+    at_speed, elsewhere, unpaced = (BatchDCutPolicy(batch16_cost(), explore_every=1000, track_pace=track)
+                                    for track in (True, True, False))
+    for _ in range(20):
+        step(at_speed, 1.0)
+        step(elsewhere, slowdown)
+        step(unpaced, slowdown)
+    assert at_speed.pace == pytest.approx(1.0) and elsewhere.pace == pytest.approx(slowdown)
+    assert elsewhere.efficiency == pytest.approx(at_speed.efficiency)
+    assert elsewhere.row_draft_seconds == pytest.approx(at_speed.row_draft_seconds) == pytest.approx(2.0)
+    assert elsewhere.windows == at_speed.windows
+    # At the profile's speed drafting pays (about 3.7 expected tokens in 3.2 s against 1 a second);
+    # counted on the wall clock of a machine 2-3x slower than its profile it would not.
+    assert at_speed.efficiency > 1.1 and at_speed.should_draft(1, 10) and elsewhere.should_draft(1, 10)
+    if slowdown > 1.5:
+        assert unpaced.efficiency < 1.0 and not unpaced.should_draft(1, 10)
+
+
+def test_batch1_dcut_learns_the_pace_and_drafts_as_at_the_profiles_speed():
+    """The batch-1 policy likewise: drafting time per position in the profile's time."""
+    model = linear_cost(1.0, 0.01)
+    at_speed, slow = DCutPolicy(model, explore_every=1000), DCutPolicy(model, explore_every=1000)
+    for policy, machine in ((at_speed, 1.0), (slow, 2.5)):
+        for _ in range(30):
+            policy.record_forward(model.verify_seconds(4, 50) * machine, width=4, context=50)
+            policy.choose([0.8, 0.8, 0.8], context=50)
+            policy.observe([0.8, 0.8, 0.8], accepted=2, draft_seconds=0.3 * machine, context=50)
+    assert slow.pace == pytest.approx(2.5)
+    assert slow.position_seconds == pytest.approx(at_speed.position_seconds) == pytest.approx(0.1)
+    assert slow.efficiency == pytest.approx(at_speed.efficiency)
+
+
+def test_generate_tells_the_policy_how_long_each_verify_forward_took(targets):
+    """`generate` reports every round's forward (width: the drafted tokens + 1) to the policy."""
+    target, drafter = targets.target("llama"), targets.fitted("llama", "dfly-hybrid-corr")
+    policy = DCutPolicy(linear_cost(0.01, 0.001), explore_every=4)
+    forwards = []
+    record = policy.record_forward
+
+    def recording(seconds, width, context, batch=1):
+        forwards.append((seconds, width, context, batch))
+        record(seconds, width, context, batch)
+
+    policy.record_forward = recording
+    drafter.draft_policy = policy
+    prompt = targets.sequences("llama")[:1, :PROMPT_LENGTH]
+    try:
+        fast = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    finally:
+        del drafter.draft_policy
+    assert torch.equal(fast, target.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None))
+    drafted = drafter.last_speculation_stats.drafted
+    assert [width for _, width, _, _ in forwards] == [d + 1 for d in drafted]
+    contexts = [context for _, _, context, _ in forwards]
+    assert contexts[0] == PROMPT_LENGTH + 1 and contexts == sorted(contexts)
+    assert all(seconds > 0 and batch == 1 for seconds, _, _, batch in forwards)
+    assert policy.pace is not None and policy.pace > 0

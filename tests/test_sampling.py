@@ -71,7 +71,8 @@ def drafters(target):
     # A verification cost curve under which D-cut really cuts: the draft length then depends on
     # the draft's own confidences, which must not bias the output distribution.
     cut.draft_policy = DCutPolicy(CostModel(target="t", hardware="t", tokens=[1, 4], contexts=[0, 100],
-                                            seconds=[[1.0, 1.0], [1.6, 1.6]]), explore_every=5, max_backoff=1)
+                                            seconds=[[1.0, 1.0], [1.6, 1.6]]), explore_every=5, max_backoff=1,
+                                  track_pace=False)
     return {
         "mtp": MTPDrafter.from_target(target, num_draft_tokens=3).eval(),
         "dfly": DFlyDrafter.from_target(target, block_size=4).eval(),

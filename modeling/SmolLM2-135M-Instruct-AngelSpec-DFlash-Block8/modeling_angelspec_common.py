@@ -357,6 +357,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.policy = getattr(drafter, "draft_policy", None)  # fixed for one generate call
         self.confidences: list[float] = []  # draft probability of each token drafted this round
         self.key_padding: torch.Tensor | None = None  # (1, committed) bool, None while all are real tokens
+        self.verify_started: float | None = None  # when `generate` took this round's candidates
         self.stats = SpeculationStats()
         drafter.last_speculation_stats = self.stats
 
@@ -376,10 +377,13 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         # The first round only prefills the target: a draft needs the features it produces.
         self.last_draft_length = 0
         self.last_confidences = None
+        self.verify_started = None
         if is_first_iteration:
             return input_ids, None
         self.observe_outputs(input_ids, model_outputs, model_kwargs)
-        return self.propose(input_ids)
+        candidates = self.propose(input_ids)
+        self.verify_started = time.perf_counter()
+        return candidates
 
     def observe_outputs(self, input_ids: torch.LongTensor, model_outputs: Any, model_kwargs: dict[str, Any] | None = None) -> None:
         """Append the context of the positions the last verify forward committed."""
@@ -494,6 +498,12 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             return
         self.stats.drafted.append(self.last_draft_length)
         self.stats.accepted.append(int(num_matches))
+        if self.verify_started is not None and hasattr(self.policy, "record_forward"):
+            # What `generate` did since taking the candidates: the verify forward, plus its acceptance
+            # and cache bookkeeping (a few percent at batch 1, which the policy's pace then carries).
+            self.policy.record_forward(time.perf_counter() - self.verify_started, self.last_draft_length + 1,
+                                       self.committed + 1)
+            self.verify_started = None
         if self.last_confidences is not None:
             self.policy.observe(self.last_confidences, int(num_matches), self.last_draft_seconds, self.committed + 1)
 

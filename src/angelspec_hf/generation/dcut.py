@@ -5,7 +5,8 @@ online against observed acceptance; the survival ``s_j = prod_{i<=j} c_i`` is th
 acceptance of position j. Keeping k positions yields ``1 + sum_{j<=k} s_j`` tokens for one
 verification of k+1 tokens, whose cost comes from the profiled `CostModel`; D-cut keeps the k that
 maximises tokens per second, counting the round's drafting time with its verification. Drafting
-itself is timed online; when recent rounds produced fewer
+itself is timed online, and put into the profile's time by the pace of the target's forwards
+(measured over predicted, see `_DraftGate.record_forward`); when recent rounds produced fewer
 tokens per second than plain decoding would have, the policy stops drafting and only retries
 after ``explore_every`` rounds or more (see `_DraftGate`), so a speculative configuration is not
 slower than AR for long.
@@ -181,10 +182,15 @@ class _DraftGate:
     """
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
-                 probe_budget: float | None = None):
+                 probe_budget: float | None = None, track_pace: bool = True):
         if probe_budget is not None and not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget is a fraction of the time (0 < probe_budget <= 1), got {probe_budget}")
         self.cost_model = cost_model
+        # Moving average of (measured forward seconds) / (the cost model's seconds for it): 1 while the
+        # machine runs at the profile's speed; None until a forward is recorded (read as 1).
+        # ``track_pace=False`` takes the profile's seconds as this machine's (a synthetic cost model).
+        self.track_pace = track_pace
+        self.pace: float | None = None
         self.calibrator = Calibrator()
         self.explore_every = explore_every
         self.smoothing = smoothing
@@ -195,6 +201,26 @@ class _DraftGate:
         self.backoff = 1
         self.skipped = 0
         self.decisions = 0
+
+    def record_forward(self, seconds: float, width: int, context: int, batch: int = 1) -> None:
+        """A target forward of ``batch`` rows verifying ``width`` tokens each at ``context`` took ``seconds``.
+
+        Why: drafting is timed on the wall clock and verification priced by a profile that may have
+        been measured when the machine ran at another speed (a saved profile reused the next day, a
+        shared machine in a slow spell). Mixing the two overprices drafting whenever the machine is
+        slower than its profile, and the gate then closes on drafting that pays (benchmark of
+        2026-12-02 afternoon, engine at concurrency 4: D-cut drafted at tau 1.47-1.79 against 1.93-2.07
+        an hour earlier, on a machine at about half the speed of the morning's saved profile). Drafting
+        time divided by the pace is in the profile's time, where every comparison of the policy is made.
+        """
+        predicted = self.cost_model.verify_seconds(width, context, batch)
+        if not self.track_pace or seconds <= 0 or predicted <= 0:
+            return
+        self.pace = _moving(self.pace, seconds / predicted, PACE_SMOOTHING)
+
+    def in_profile_time(self, seconds: float) -> float:
+        """Wall-clock seconds measured on this machine now, as the cost model's seconds."""
+        return seconds / (self.pace or 1.0)
 
     def wait(self) -> int:
         """Plain steps to take before retrying while drafting has not been paying."""
@@ -224,7 +250,7 @@ class DCutPolicy(_DraftGate):
     """Cost-aware draft cutting for one drafter at batch 1 (see the module docstring)."""
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.05, max_backoff: int = 1,
-                 probe_budget: float | None = None):
+                 probe_budget: float | None = None, track_pace: bool = True):
         # A slow moving average (about 20 rounds) at batch 1: a round that D-cut cuts to nothing still
         # cost its drafting, and with the engine's 0.2 (about 5 rounds) three such rounds in a row
         # closed the gate for 8 plain steps in the middle of code that paid (measured on the
@@ -233,8 +259,8 @@ class DCutPolicy(_DraftGate):
         # No backoff by default at batch 1: measured on the reference target, a sequential drafter
         # whose efficiency hovers near 1 lost its paying phases (MTP + D-cut on math: 1.17x without
         # backoff, 0.97x with it); in the engine, where a retry costs a whole batch, it pays.
-        super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget)
-        self.position_seconds: float | None = None  # moving average of drafting time per drafted position
+        super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget, track_pace)
+        self.position_seconds: float | None = None  # moving average of drafting time per drafted position (profile time)
         self.longest_draft: int | None = None  # the most positions a round has drafted (exploration rounds draft all)
         self.drafted = 0  # positions the round being verified drafted (what `choose` saw)
 
@@ -263,9 +289,14 @@ class DCutPolicy(_DraftGate):
         for position, confidence in enumerate(confidences[: accepted + 1]):
             self.calibrator.update(confidence, position < accepted)
         drafted, self.drafted = max(self.drafted, len(confidences), 1), 0
+        draft_seconds = self.in_profile_time(draft_seconds)
         self.position_seconds = _moving(self.position_seconds, draft_seconds / drafted, self.smoothing)
         verify = self.verify(context)
         self._record_rate(accepted + 1, draft_seconds + verify(len(confidences) + 1), 1, verify(1))
+
+
+# About the last 10 forwards: a few seconds of decoding, shorter than the slow spells of a shared machine.
+PACE_SMOOTHING = 0.1
 
 
 def rate_over_plain(tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> float:
@@ -288,11 +319,11 @@ class BatchDCutPolicy(_DraftGate):
     """
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
-                 probe_budget: float | None = 0.02):
-        super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget)
+                 probe_budget: float | None = 0.02, track_pace: bool = True):
+        super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget, track_pace)
         self.windows: list[int] = []  # chosen window of every drafting step, for reports
         self.expected_gain: float | None = None  # what `window` expects the step to make, for `observe`
-        self.row_draft_seconds: float | None = None  # moving average of a step's drafting time per drafting row
+        self.row_draft_seconds: float | None = None  # moving average of a step's drafting time per drafting row (profile time)
         self.drafting_rows = 0  # rows that drafted in the step being verified (what `window` saw)
         self.last_step: _MeasuredStep | None = None  # what the latest drafting step was, for `predicted_efficiency`
         # One calibration per drafter: rows of a routed engine draft with different drafters, whose
@@ -385,6 +416,7 @@ class BatchDCutPolicy(_DraftGate):
             for position, confidence in enumerate(confidences[: accepted + 1]):
                 calibrator.update(confidence, position < accepted)
         rows, self.drafting_rows = max(self.drafting_rows, len(kept), 1), 0
+        draft_seconds = self.in_profile_time(draft_seconds)
         self.row_draft_seconds = _moving(self.row_draft_seconds, draft_seconds / rows, self.smoothing)
         verify = self.verify(batch, context)
         plain = batch if queued else 1

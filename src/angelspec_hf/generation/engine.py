@@ -111,7 +111,8 @@ class SpeculativeEngine:
     remaining, arms)`` and ``observe(outcomes, batch, width, context, draft_seconds, queued, arms)``;
     ``queued`` says whether requests wait for a slot, ``remaining`` lists the active rows' tokens
     still to generate, the drafting rows' first, in the order of ``confidences``, and ``arms`` names
-    the drafter of each drafting row, in the same order). After a call,
+    the drafter of each drafting row, in the same order; optionally ``record_forward(seconds,
+    width, context, batch)``, told how long every verify forward took). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
     ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its probe
     rounds. ``arm_evidence`` holds the pooled evidence of every routed round: arm -> (tokens,
@@ -538,7 +539,10 @@ class SpeculativeEngine:
         mask = torch.cat([valid, window_valid], dim=1).long()
         start = time.perf_counter()
         out = self._forward(ids, mask, positions, cache)
-        verify_share = (time.perf_counter() - start) / max(sum(active), 1)
+        forward_seconds = time.perf_counter() - start
+        verify_share = forward_seconds / max(sum(active), 1)
+        if hasattr(policy, "record_forward"):
+            policy.record_forward(forward_seconds, width, context, batch)
         kept = torch.zeros_like(window_valid)
         outcomes, outcome_arms = [], []  # (kept confidences, accepted) of the rows that drafted, and their arms
         for i, (row, draft) in enumerate(zip(rows, drafts)):
