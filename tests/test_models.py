@@ -73,6 +73,27 @@ def test_untrained_correction_head_equals_dflash(targets):
     assert without.last_speculation_stats.as_dict() == first
 
 
+@pytest.mark.parametrize("embed_norm", [False, True])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_drafting_corrects_as_the_trained_correction_head_does(targets, embed_norm, rows):
+    """Drafting's split, fused correction (`CorrectionSteps`) is the head's own function."""
+    from angelspec_hf.modeling_angelspec_dfly import CorrectionSteps
+
+    torch.manual_seed(3)
+    drafter = DFlyDrafter.from_target(targets.target("llama"), block_size=6, correction_embed_norm=embed_norm).eval()
+    head = drafter.hidden_correction
+    with torch.no_grad():
+        head.mlp.down_proj.weight.normal_(std=0.2)  # trained-like: the untrained head adds nothing
+        if embed_norm:
+            head.embed_norm.weight.uniform_(0.5, 1.5)
+        z, previous = torch.randn(rows, 5, drafter.config.hidden_size), torch.randn(rows, drafter.config.hidden_size)
+        steps = CorrectionSteps(head)
+        prepared = steps.prepare(z)
+        for index in range(5):
+            torch.testing.assert_close(steps.step(z[:, index], prepared[:, index], previous),
+                                       head(z[:, index], previous), rtol=1e-5, atol=1e-5)
+
+
 def test_reduced_vocabulary_maps_draft_ids_to_target_ids(targets):
     target = targets.target("llama")
     ids = torch.tensor([40, 3, 17, 90, 5])

@@ -20,6 +20,7 @@ from .modeling_angelspec_common import (
     attend,
     expand_to_vocab,
     rotary_cos_sin,
+    row_linear,
     sorted_draft_token_ids,
     split_heads,
     stack_right_padded,
@@ -149,7 +150,7 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         normed = hidden if self.deepseek_style else self.norm(hidden)
         if self.lm_head is None:
             return target_lm_head(normed.to(target_lm_head.weight.dtype))
-        return self.lm_head(normed)
+        return row_linear(normed, self.lm_head.weight)
 
     def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Logits over the target vocabulary; tokens outside a reduced draft vocabulary get -inf."""
