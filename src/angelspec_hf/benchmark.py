@@ -299,12 +299,17 @@ def write_chart(rows: list[dict], path: Path, concurrency: list[dict] | None = N
 
 
 def _grouped_bars(ax, rows: list[dict], group: str) -> None:
+    from matplotlib import colormaps
+
     methods = list(dict.fromkeys(r["method"] for r in rows))
     groups = list(dict.fromkeys(r[group] for r in rows))
     width = 0.8 / len(methods)
+    # 20 distinct colours: the default cycle of 10 gave two of the 11 batch-1 methods the same one.
+    palette = colormaps["tab20"]
     for i, method in enumerate(methods):
         values = [next((r["speedup"] for r in rows if r["method"] == method and r[group] == g), 0.0) for g in groups]
-        ax.bar([j + i * width for j in range(len(groups))], values, width, label=_short_name(method))
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=_short_name(method),
+               color=palette(i % palette.N))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(groups))],
                   [f"{group} {g}" if group == "concurrency" else str(g) for g in groups])
