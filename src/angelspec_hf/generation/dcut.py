@@ -213,10 +213,11 @@ class _DraftGate:
         an hour earlier, on a machine at about half the speed of the morning's saved profile). Drafting
         time divided by the pace is in the profile's time, where every comparison of the policy is made.
         """
-        predicted = self.cost_model.verify_seconds(width, context, batch)
-        if not self.track_pace or seconds <= 0 or predicted <= 0:
+        if not self.track_pace or seconds <= 0:
             return
-        self.pace = _moving(self.pace, seconds / predicted, PACE_SMOOTHING)
+        predicted = self.cost_model.verify_seconds(width, context, batch)
+        if predicted > 0:
+            self.pace = _moving(self.pace, seconds / predicted, PACE_SMOOTHING)
 
     def in_profile_time(self, seconds: float) -> float:
         """Wall-clock seconds measured on this machine now, as the cost model's seconds."""
