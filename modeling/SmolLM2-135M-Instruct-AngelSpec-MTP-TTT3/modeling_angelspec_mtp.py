@@ -20,7 +20,6 @@ from .modeling_angelspec_common import (
     attend,
     expand_to_vocab,
     rotary_cos_sin,
-    row_linear,
     sorted_draft_token_ids,
     split_heads,
     stack_right_padded,
@@ -150,7 +149,7 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         normed = hidden if self.deepseek_style else self.norm(hidden)
         if self.lm_head is None:
             return target_lm_head(normed.to(target_lm_head.weight.dtype))
-        return row_linear(normed, self.lm_head.weight)
+        return self.lm_head(normed)
 
     def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Logits over the target vocabulary; tokens outside a reduced draft vocabulary get -inf."""

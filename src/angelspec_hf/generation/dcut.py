@@ -208,10 +208,11 @@ class _DraftGate:
         Why: drafting is timed on the wall clock and verification priced by a profile that may have
         been measured when the machine ran at another speed (a saved profile reused the next day, a
         shared machine in a slow spell). Mixing the two overprices drafting whenever the machine is
-        slower than its profile, and the gate then closes on drafting that pays (benchmark of
-        2026-12-02 afternoon, engine at concurrency 4: D-cut drafted at tau 1.47-1.79 against 1.93-2.07
-        an hour earlier, on a machine at about half the speed of the morning's saved profile). Drafting
-        time divided by the pace is in the profile's time, where every comparison of the policy is made.
+        slower than its profile, and the gate then closes on drafting that pays (measured on the
+        reference target, engine at concurrency 4, DFly-Block8, with the machine's profile halved:
+        drafting in 28-40 steps at tau 1.11-1.14 without the pace, 127-128 at tau 1.75-1.77 with it,
+        as with the true profile). Drafting time divided by the pace is in the profile's time, where
+        every comparison of the policy is made.
         """
         if not self.track_pace or seconds <= 0:
             return
