@@ -43,6 +43,7 @@ def ready_generators(target, drafter, sequences, policies, max_lengths):
         generator = drafter.get_candidate_generator(target=target, generation_config=GenerationConfig(max_length=max_length),
                                                     logits_processor=None)
         generator.policy = policy
+        generator.wants_draft_logits = True  # as sampling would: the logits are compared too
         with torch.no_grad():
             out = target(ids[:, :-1], attention_mask=mask[:, :-1], output_hidden_states=True)
         generator.observe_outputs(ids, out, {"attention_mask": mask})
@@ -98,8 +99,11 @@ def test_batched_ingest_keeps_each_rows_own_context(targets, kind):
         return ids
 
     def fresh():
-        return [drafter.get_candidate_generator(target=target, generation_config=GenerationConfig(max_length=80),
-                                                logits_processor=None) for _ in LENGTHS]
+        generators = [drafter.get_candidate_generator(target=target, generation_config=GenerationConfig(max_length=80),
+                                                      logits_processor=None) for _ in LENGTHS]
+        for generator in generators:
+            generator.wants_draft_logits = True  # as sampling would: the logits are compared too
+        return generators
 
     alone, together = fresh(), fresh()
     # Two rounds, each checked: the prompt, then three more committed positions per row.
@@ -130,3 +134,26 @@ def test_the_engine_drafts_every_row_in_one_drafter_forward(targets):
     assert calls[0] == len(prompts), "the first drafting round must be one forward over every row"
     rounds = max(entry["rounds"] for entry in engine.stats)
     assert len(calls) <= rounds, "one drafter forward per engine step, not one per row"
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+@pytest.mark.parametrize("settings, keeps_logits", [
+    ({}, False),
+    ({"do_sample": True}, True),
+    ({"assistant_ensemble_weight": 0.5}, True),
+])
+def test_draft_logits_are_kept_only_where_verification_reads_them(targets, kind, settings, keeps_logits):
+    target, sequences = targets.target("llama"), targets.sequences("llama")
+    drafter = targets.fitted("llama", kind)
+    ids = sequences[:1, : LENGTHS[0]]
+    generator = drafter.get_candidate_generator(
+        target=target, generation_config=GenerationConfig(max_length=60, **settings), logits_processor=None)
+    with torch.no_grad():
+        generator.observe_outputs(ids, target(ids[:, :-1], output_hidden_states=True))
+    candidates, logits = generator.propose(ids)
+    drafted = candidates.shape[1] - ids.shape[1]
+    assert drafted >= 1
+    if keeps_logits:
+        assert logits.shape == (1, drafted, target.config.vocab_size)
+    else:
+        assert logits is None

@@ -291,7 +291,8 @@ class BatchedDraft:
     ``token_ids`` names the target ids of the logits' columns when a drafter scores a reduced draft
     vocabulary only. Without logits processors (which read the full vocabulary) the tokens are
     picked in that smaller space, and the logits are spread over the target vocabulary once per
-    round in `results`, not once per drafted position.
+    round in `results`, not once per drafted position. Rows whose generators do not want the draft
+    distribution (greedy decoding) keep no logits at all.
     """
 
     def __init__(self, generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor],
@@ -305,6 +306,7 @@ class BatchedDraft:
         # Logits processors read the full vocabulary: with them each position is spread at once.
         self.spread_each_step = token_ids is not None and generators[0].logits_processor is not None
         self.in_draft_columns = token_ids is not None and not self.spread_each_step
+        self.keep_logits = generators[0].wants_draft_logits
 
     def choose(self, position_logits: torch.Tensor, step: int, ask_policy: bool = True) -> torch.Tensor:
         """Pick every row's token at draft position ``step`` from (rows, columns) logits; target
@@ -318,7 +320,8 @@ class BatchedDraft:
             if not self.live[row]:
                 continue
             self.tokens[row].append(chosen[row : row + 1])
-            self.logits[row].append(logits[row : row + 1])
+            if self.keep_logits:
+                self.logits[row].append(logits[row : row + 1])
             self.ids[row] = torch.cat([self.ids[row], chosen[row : row + 1]], dim=-1)
             self.live[row] = step + 1 < self.budgets[row] and (
                 not ask_policy or generator.keep_drafting(self.input_ids[row].shape[1]))
@@ -328,10 +331,13 @@ class BatchedDraft:
     def done(self) -> bool:
         return not any(self.live)
 
-    def results(self) -> list[tuple[torch.LongTensor, torch.Tensor]]:
-        """Per row: draft tokens (1, n) and their processed logits (1, n, V)."""
+    def results(self) -> list[tuple[torch.LongTensor, torch.Tensor | None]]:
+        """Per row: draft tokens (1, n) and their processed logits (1, n, V), None unless kept."""
         results = []
         for tokens, logits in zip(self.tokens, self.logits):
+            if not self.keep_logits:
+                results.append((torch.cat(tokens, dim=-1), None))
+                continue
             logits = torch.stack(logits, dim=1)
             if self.in_draft_columns:
                 logits = expand_to_vocab(logits, self.token_ids, self.vocab_size)
@@ -361,6 +367,10 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides = {"output_hidden_states": wanted}
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
+        # Greedy verification compares tokens only; the draft distribution is read by speculative
+        # sampling and by the assistant ensemble. Spreading a round's logits over the target
+        # vocabulary cost about 1 ms a round on the reference target, so greedy rounds skip it.
+        self.wants_draft_logits = self.do_sample or getattr(generation_config, "assistant_ensemble_weight", None) is not None
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.committed = 0  # target positions whose features the drafter has ingested
         self.prefilled = False
@@ -492,18 +502,21 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             return 0
         return budget
 
-    def _finish_round(self, input_ids: torch.LongTensor, tokens: torch.LongTensor, logits: torch.Tensor,
+    def _finish_round(self, input_ids: torch.LongTensor, tokens: torch.LongTensor, logits: torch.Tensor | None,
                       seconds: float) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """Apply the policy's cut to a drafted round; the candidates and their logits."""
+        """Apply the policy's cut to a drafted round; the candidates and their logits (None where
+        greedy verification does not read them)."""
         self.last_draft_seconds = seconds
         if self.policy is not None:
             keep = self.policy.choose(self.confidences, input_ids.shape[1])
             self.last_confidences = self.confidences[:keep]
-            tokens, logits = tokens[:, :keep], logits[:, :keep]
+            tokens = tokens[:, :keep]
+            logits = logits[:, :keep] if logits is not None else None
             if keep == 0:
                 return input_ids, None
         self.last_draft_length = tokens.shape[1]
-        return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits.to(input_ids.device)
+        candidates = torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1)
+        return candidates, logits.to(input_ids.device) if logits is not None else None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         if not self.prefilled:
@@ -586,7 +599,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
     def ingest(self, input_ids: torch.LongTensor, features: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
-    def draft(self, input_ids: torch.LongTensor, num_tokens: int) -> tuple[torch.LongTensor, torch.Tensor]:
+    def draft(self, input_ids: torch.LongTensor, num_tokens: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
         raise NotImplementedError
 
 
