@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel
 
@@ -92,6 +93,29 @@ def test_drafting_corrects_as_the_trained_correction_head_does(targets, embed_no
         for index in range(5):
             torch.testing.assert_close(steps.step(z[:, index], prepared[:, index], previous),
                                        head(z[:, index], previous), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["linear", "mv", "mv-float32"])
+def test_row_products_compute_linear_whichever_kernel_is_picked(monkeypatch, dtype, kernel):
+    """Every kernel `fastest_row_kernel` may pick gives ``F.linear`` (in the input's dtype), and the
+    pick is timed once per shape and dtype."""
+    from angelspec_hf import modeling_angelspec_common as common
+
+    torch.manual_seed(4)
+    weight, row, rows = torch.randn(96, 40, dtype=dtype), torch.randn(1, 40, dtype=dtype), torch.randn(3, 40, dtype=dtype)
+    monkeypatch.setattr(common, "_ROW_KERNELS", {(tuple(weight.shape), dtype): kernel})
+    product = common.RowLinear(weight)
+    assert product.kernel == kernel
+    exact = F.linear(row.double(), weight.double()).to(dtype)
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-1}
+    assert product(row).dtype == dtype
+    torch.testing.assert_close(product(row), exact, **tolerance)
+    assert torch.equal(product(rows), F.linear(rows, weight))
+    monkeypatch.setattr(common, "_ROW_KERNELS", {})
+    picked = common.fastest_row_kernel(weight)
+    assert picked in ({"linear", "mv", "mv-float32"} if dtype == torch.bfloat16 else {"linear", "mv"})
+    assert common._ROW_KERNELS == {(tuple(weight.shape), dtype): picked}
 
 
 def test_reduced_vocabulary_maps_draft_ids_to_target_ids(targets):

@@ -20,12 +20,12 @@ from .modeling_angelspec_common import (
     AngelSpecPreTrainedModel,
     BatchedDraft,
     RMSNorm,
+    RowLinear,
     SwiGLU,
     VocabSubsetHead,
     apply_rotary,
     attend,
     rotary_cos_sin,
-    row_linear,
     sorted_draft_token_ids,
     split_heads,
     stack_right_padded,
@@ -99,8 +99,8 @@ class CorrectionSteps:
         size = correction.norm.weight.shape[0]
         gate, up = correction.mlp.gate_proj.weight.detach(), correction.mlp.up_proj.weight.detach()
         self.context_weight = torch.cat([gate[:, :size], up[:, :size]]).contiguous()
-        self.token_weight = torch.cat([gate[:, size:], up[:, size:]]).contiguous()
-        self.down_weight = correction.mlp.down_proj.weight.detach()
+        self.token_product = RowLinear(torch.cat([gate[:, size:], up[:, size:]]).contiguous())
+        self.down_product = RowLinear(correction.mlp.down_proj.weight.detach())
         self.norm, self.embed_norm = correction.norm, correction.embed_norm
 
     def prepare(self, z: torch.Tensor) -> torch.Tensor:
@@ -111,8 +111,8 @@ class CorrectionSteps:
         """Corrected ``z`` of one position for every row: (rows, H), given its `prepare` row."""
         if self.embed_norm is not None:
             previous_embeds = self.embed_norm(previous_embeds)
-        gate, up = (prepared + row_linear(previous_embeds, self.token_weight)).chunk(2, dim=-1)
-        return z + row_linear(F.silu(gate) * up, self.down_weight)
+        gate, up = (prepared + self.token_product(previous_embeds)).chunk(2, dim=-1)
+        return z + self.down_product(F.silu(gate) * up)
 
 
 class DFlyDrafter(AngelSpecPreTrainedModel):

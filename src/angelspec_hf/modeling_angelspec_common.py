@@ -56,15 +56,63 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) for a sequential draft step's rows: a single row goes
-    through ``torch.mv``. Why: on CPUs a one-row bfloat16 matrix product is slow in the GEMM
-    kernels (measured on a Xeon with AMX, one thread: 4096x576 324 us as a product, 241 us as a
-    matrix-vector product; 576x1152 86 vs 51 us; 576x576 47 vs 25 us), and a drafter pays it on
-    every drafted position."""
-    if x.dim() == 2 and x.shape[0] == 1:
-        return torch.mv(weight, x[0])[None]
-    return F.linear(x, weight)
+_ROW_KERNELS: dict[tuple, str] = {}  # (shape, dtype) -> fastest one-row kernel on this CPU
+
+
+def _time_row_kernel(kernel: str, weight: torch.Tensor, x: torch.Tensor, calls: int = 16) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        _apply_row_kernel(kernel, weight, x)
+    return time.perf_counter() - start
+
+
+def _apply_row_kernel(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if kernel == "linear":
+        return F.linear(x, weight)
+    return torch.mv(weight, x[0].to(weight.dtype))[None].to(x.dtype)
+
+
+def fastest_row_kernel(weight: torch.Tensor) -> str:
+    """Which of ``linear`` (the GEMM kernels), ``mv`` (matrix-vector) or ``mv-float32`` (a float32
+    copy, for half-precision weights) computes a one-row product with ``weight`` fastest on this
+    CPU, timed once per shape and dtype in a process (about 0.1 s). Why measured: the ranking
+    flips between CPUs (one thread, bfloat16 4096x576: a Xeon with AMX 324 us as a product and 241
+    us as a matrix-vector product; an AMD EPYC 283 us and 504 us, and 223 us in float32)."""
+    if weight.device.type != "cpu":
+        return "linear"
+    key = (tuple(weight.shape), weight.dtype)
+    if key not in _ROW_KERNELS:
+        candidates = {"linear": weight, "mv": weight}
+        if weight.dtype in (torch.bfloat16, torch.float16):
+            candidates["mv-float32"] = weight.float()
+        x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
+        with torch.no_grad():
+            for kernel, candidate in candidates.items():
+                _time_row_kernel(kernel, candidate, x, calls=2)  # warm-up
+            # Best of five rounds taken in turn, so that one slow spell does not decide.
+            best = dict.fromkeys(candidates, float("inf"))
+            for _ in range(5):
+                for kernel, candidate in candidates.items():
+                    best[kernel] = min(best[kernel], _time_row_kernel(kernel, candidate, x))
+        _ROW_KERNELS[key] = min(best, key=best.get)
+    return _ROW_KERNELS[key]
+
+
+class RowLinear:
+    """``F.linear(x, weight)`` (no bias) for a sequential draft step, whose products have one row
+    per drafted sequence: a single row goes through the kernel `fastest_row_kernel` picks, more
+    rows (or a gradient) through ``F.linear``. A drafter pays these products on every drafted
+    position, so their per-call cost is most of a sequential round. The result has ``x``'s dtype."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.kernel = fastest_row_kernel(weight)
+        self.row_weight = weight.float() if self.kernel == "mv-float32" else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1 and not x.requires_grad:
+            return _apply_row_kernel(self.kernel.removesuffix("-float32"), self.row_weight, x)
+        return F.linear(x, self.weight)
 
 
 class SwiGLU(nn.Module):
@@ -163,12 +211,18 @@ class VocabSubsetHead:
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach()[token_ids].to(self.weight.dtype)
         self.token_ids, self.vocab_size = token_ids, vocab_size
+        self._rows: RowLinear | None = None  # built on the first one-row call: training never needs it
 
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the draft-vocabulary tokens only, in ``token_ids`` order."""
-        if self.bias is None:
-            return row_linear(hidden.to(self.weight.dtype), self.weight)
-        return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        hidden = hidden.to(self.weight.dtype)
+        if self.bias is not None:
+            return F.linear(hidden, self.weight, self.bias)
+        if hidden.dim() == 2 and hidden.shape[0] == 1 and not hidden.requires_grad:
+            if self._rows is None:
+                self._rows = RowLinear(self.weight)
+            return self._rows(hidden)
+        return F.linear(hidden, self.weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return expand_to_vocab(self.subset_logits(hidden), self.token_ids, self.vocab_size)
