@@ -75,7 +75,7 @@ def _apply_row_kernel(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> tor
 def fastest_row_kernel(weight: torch.Tensor) -> str:
     """Which of ``linear`` (the GEMM kernels), ``mv`` (matrix-vector) or ``mv-float32`` (a float32
     copy, for half-precision weights) computes a one-row product with ``weight`` fastest on this
-    CPU, timed once per shape and dtype in a process (about 0.1 s). Why measured: the ranking
+    CPU, timed once per shape and dtype in a process (0.17-0.21 s for DFly-Block8's three shapes). Why measured: the ranking
     flips between CPUs (one thread, bfloat16 4096x576: a Xeon with AMX 324 us as a product and 241
     us as a matrix-vector product; an AMD EPYC 283 us and 504 us, and 223 us in float32)."""
     if weight.device.type != "cpu":
@@ -100,19 +100,25 @@ def fastest_row_kernel(weight: torch.Tensor) -> str:
 
 class RowLinear:
     """``F.linear(x, weight)`` (no bias) for a sequential draft step, whose products have one row
-    per drafted sequence: a single row goes through the kernel `fastest_row_kernel` picks, more
-    rows (or a gradient) through ``F.linear``. A drafter pays these products on every drafted
-    position, so their per-call cost is most of a sequential round. The result has ``x``'s dtype."""
+    per drafted sequence: a single row goes through the kernel `fastest_row_kernel` picks (chosen
+    at the first such call, so that batched and training use never time anything), more rows (or
+    a gradient) through ``F.linear``. A drafter pays these products on every drafted position, so
+    their per-call cost is most of a sequential round. The result has ``x``'s dtype."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
-        self.kernel = fastest_row_kernel(weight)
-        self.row_weight = weight.float() if self.kernel == "mv-float32" else weight
+        self.kernel: str | None = None
+        self._row_weight, self._row_kernel = weight, "linear"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1 and not x.requires_grad:
-            return _apply_row_kernel(self.kernel.removesuffix("-float32"), self.row_weight, x)
-        return F.linear(x, self.weight)
+        if x.dim() != 2 or x.shape[0] != 1 or x.requires_grad:
+            return F.linear(x, self.weight)
+        if self.kernel is None:
+            self.kernel = fastest_row_kernel(self.weight)
+            if self.kernel == "mv-float32":
+                self._row_weight = self.weight.float()
+            self._row_kernel = self.kernel.removesuffix("-float32")
+        return _apply_row_kernel(self._row_kernel, self._row_weight, x)
 
 
 class SwiGLU(nn.Module):
@@ -211,18 +217,14 @@ class VocabSubsetHead:
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach()[token_ids].to(self.weight.dtype)
         self.token_ids, self.vocab_size = token_ids, vocab_size
-        self._rows: RowLinear | None = None  # built on the first one-row call: training never needs it
+        self.product = RowLinear(self.weight)
 
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the draft-vocabulary tokens only, in ``token_ids`` order."""
         hidden = hidden.to(self.weight.dtype)
         if self.bias is not None:
             return F.linear(hidden, self.weight, self.bias)
-        if hidden.dim() == 2 and hidden.shape[0] == 1 and not hidden.requires_grad:
-            if self._rows is None:
-                self._rows = RowLinear(self.weight)
-            return self._rows(hidden)
-        return F.linear(hidden, self.weight)
+        return self.product(hidden)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return expand_to_vocab(self.subset_logits(hidden), self.token_ids, self.vocab_size)
@@ -422,8 +424,9 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         # Greedy verification compares tokens only; the draft distribution is read by speculative
-        # sampling and by the assistant ensemble. Spreading a round's logits over the target
-        # vocabulary cost about 1 ms a round on the reference target, so greedy rounds skip it.
+        # sampling and by the assistant ensemble. Keeping and spreading a round's logits over the
+        # target vocabulary cost 0.1-0.3 ms of a 6-14 ms drafting round on the reference target
+        # (AMD EPYC, one thread), so greedy rounds skip it.
         self.wants_draft_logits = self.do_sample or getattr(generation_config, "assistant_ensemble_weight", None) is not None
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.committed = 0  # target positions whose features the drafter has ingested
