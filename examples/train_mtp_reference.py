@@ -24,14 +24,16 @@ than the chat rollouts alone hold. Draft vocabulary: the 8192 most frequent resp
 AngelSpec's MTPDraftModel layer. Options: `--from DIR` continues a trained drafter, `--corpus DIR`
 adds `angelspec-hf corpus` rows to the LK stage (the TV stage stays on rollouts), `--lr` sets the
 LK learning rate (TV: a third of it), `--cache DIR` keeps the target's states per row on disk,
-`--seed N` sets the order of rows. `--bf16` trains in mixed precision (the drafter's matmuls in bfloat16; soft labels
+`--seed N` sets the order of rows, `--grow N` (with `--from`) first stacks plain decoder layers on
+the drafter up to N, each starting as the identity (`grow_mtp_layers`). `--bf16` trains in mixed precision (the drafter's matmuls in bfloat16; soft labels
 and weights float32), 1.4x (DFly) to 1.6x (MTP) faster steps on this AMX CPU.
 `--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. `--chat-rollouts DIR`
 (repeatable) reads the chat rollouts of these folders instead of `data/rollouts/SmolLM2-135M-Instruct-chat`
 (for example with steered Magpie chat rollouts as well, see data/README.md). The TV stage re-reads
 the rollouts when it starts, so rollouts generated during the LK stage (for example by
 `angelspec-hf rollouts --magpie` on the other core) join it. One torch thread, so that a second
-run or a benchmark can use the other core.
+run or a benchmark can use the other core; `--threads N` gives the run N threads instead (a machine
+with nothing else to do).
 """
 
 import sys
@@ -39,16 +41,15 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModel
 
 import angelspec_hf  # noqa: F401
 from _flags import option, options
 from angelspec_hf.reference import load_reference_target
 from angelspec_hf.training.data import rollout_sequences
-from angelspec_hf.training.recipes import Recipe, train_drafter
+from angelspec_hf.training.recipes import Recipe, continued_drafter, train_drafter
 
 
-torch.set_num_threads(1)
+torch.set_num_threads(int(option("--threads", 1)))
 name, out, lk_steps, tv_steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 target, tokenizer = load_reference_target()
 start = time.time()
@@ -70,7 +71,8 @@ print("corpus rows:", len(corpus), flush=True)
 recipe = Recipe(name=name, num_draft_tokens=3, draft_vocab_size=8192, lk_steps=lk_steps, tv_steps=0,
                 batch_size=4, logging_steps=10, learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"),
                 seed=int(option("--seed", 0)), bf16="--bf16" in sys.argv)
-drafter = AutoModel.from_pretrained(option("--from")).float().train() if option("--from") else None
+grow = int(option("--grow")) if option("--grow") else None
+drafter = continued_drafter(option("--from"), recipe, grow) if option("--from") else None
 resume = "--resume" in sys.argv
 drafter = train_drafter(target, rollouts + corpus, out, recipe, pad_token_id=tokenizer.eos_token_id, resume=resume,
                         drafter=drafter)

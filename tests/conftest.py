@@ -17,11 +17,13 @@ torch.set_num_threads(1)
 
 PROMPT_LENGTH = 6
 FAMILIES = ("llama", "qwen3")
-# Every DFly switch combination, MTP and DFly with and without a reduced vocabulary, and the DeepSeek-style MTP layer.
+# Every DFly switch combination, MTP and DFly with and without a reduced vocabulary, the DeepSeek-style
+# MTP layer and an MTP drafter of two layers.
 DRAFTER_KINDS = (
     "mtp",
     "mtp-reduced",
     "mtp-deepseek",
+    "mtp-2layer",
     *(f"dfly-{conditioning}-{'corr' if correction else 'nocorr'}"
       for conditioning in ("global", "layerwise", "hybrid") for correction in (True, False)),
     "dfly-hybrid-corr-reduced",
@@ -38,6 +40,8 @@ def build_drafter(kind: str, target, sequences=None):
         return MTPDrafter.from_target(target, num_draft_tokens=4)
     if kind == "mtp-deepseek":
         return MTPDrafter.from_target(target, num_draft_tokens=4, layer_style="deepseek")
+    if kind == "mtp-2layer":
+        return MTPDrafter.from_target(target, num_draft_tokens=4, num_hidden_layers=2)
     if kind == "mtp-reduced":
         return MTPDrafter.from_target(target, num_draft_tokens=4, draft_token_ids=reduced_vocab(target, sequences))
     _, conditioning, correction, *reduced = kind.split("-")

@@ -55,6 +55,9 @@ def test_full_vocabulary_export_needs_the_target(targets, eagle_drafters, tmp_pa
         export_eagle3(targets.fitted("llama", "mtp-reduced"), tmp_path)
     with pytest.raises(DrafterConfigError, match="Only MTP drafters"):
         export_eagle3(targets.fitted("llama", "dfly-global-nocorr"), tmp_path)
+    two_layers = MTPDrafter.from_target(targets.target("llama"), target_layer_ids=[0, 1, 2], num_hidden_layers=2)
+    with pytest.raises(DrafterConfigError, match="one decoder layer; this MTP drafter has 2"):
+        export_eagle3(two_layers, tmp_path)
 
 
 def test_the_layer_matches_the_eagle3_equations(targets, eagle_drafters):

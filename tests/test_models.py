@@ -198,6 +198,8 @@ def test_bf16_save_keeps_dtype(targets, tmp_path):
         (lambda: MTPDrafterConfig(num_draft_tokens=0), "num_draft_tokens"),
         (lambda: MTPDrafterConfig(vocab_size=100, draft_vocab_size=101), "draft_vocab_size"),
         (lambda: MTPDrafterConfig(num_attention_heads=9, num_key_value_heads=2), "multiple of num_key_value_heads"),
+        (lambda: MTPDrafterConfig(layer_style="deepseek", num_hidden_layers=2), "deepseek-style MTP drafter is one"),
+        (lambda: MTPDrafterConfig(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
     ],
 )
 def test_bad_config_arguments_raise_typed_errors(factory, message):

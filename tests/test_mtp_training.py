@@ -1,12 +1,15 @@
 """MTP training with training-time test: train/inference agreement, packing, the trainer."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModel, GenerationConfig
 
 from angelspec_hf import MTPDrafter
 from angelspec_hf.modeling_angelspec_mtp import MTPCandidateGenerator
-from angelspec_hf.training.mtp import chain_loss
+from angelspec_hf.errors import DrafterConfigError
+from angelspec_hf.training.mtp import chain_loss, grow_mtp_layers
 from angelspec_hf.training.recipes import Recipe, train_drafter
 from conftest import PROMPT_LENGTH
 
@@ -20,18 +23,27 @@ def run_chain(target, drafter, sequences, **kwargs):
                       **kwargs)
 
 
-@pytest.mark.parametrize("reduced,style", [(False, "eagle3"), (True, "eagle3"), (False, "deepseek")])
-def test_unrolled_chain_drafts_what_inference_drafts(targets, reduced, style):
+def sharpen_attention(drafter) -> None:
+    """Sharp, strong attention in every layer, so that a draft step placed one position off (as
+    inference once did) or a layer reading another layer's keys changes which tokens the chain
+    drafts; weak near-uniform random attention hides it."""
+    with torch.no_grad():
+        for attention in [drafter.self_attn, *(layer.self_attn for layer in drafter.layers)]:
+            for projection in ("q_proj", "k_proj", "v_proj"):
+                getattr(attention, projection).weight.mul_(16.0)
+
+
+@pytest.mark.parametrize("reduced,style,layers", [(False, "eagle3", 1), (True, "eagle3", 1), (False, "deepseek", 1),
+                                                  (True, "eagle3", 2)])
+def test_unrolled_chain_drafts_what_inference_drafts(targets, reduced, style, layers):
     target = targets.target("llama")
     sequence = targets.sequences("llama")[:1]
     torch.manual_seed(1)
     ids = torch.unique(sequence) if reduced else None
-    drafter = MTPDrafter.from_target(target, num_draft_tokens=3, draft_token_ids=ids, layer_style=style).eval()
+    drafter = MTPDrafter.from_target(target, num_draft_tokens=3, draft_token_ids=ids, layer_style=style,
+                                     num_hidden_layers=layers).eval()
+    sharpen_attention(drafter)
     with torch.no_grad():
-        # Sharp, strong attention, so that a draft step placed one position off (as inference once
-        # did) changes which tokens the chain drafts; weak near-uniform random attention hides it.
-        for projection in ("q_proj", "k_proj", "v_proj"):
-            getattr(drafter.self_attn, projection).weight.mul_(16.0)
         chain = run_chain(target, drafter, sequence)
     for origin in range(PROMPT_LENGTH, sequence.shape[1] - 4):
         generator = MTPCandidateGenerator(drafter, target, GenerationConfig(max_length=200, do_sample=False), None)
@@ -39,6 +51,31 @@ def test_unrolled_chain_drafts_what_inference_drafts(targets, reduced, style):
         candidates, _ = generator.get_candidates(sequence[:, : origin + 2], model_kwargs={}, model_outputs=prefill,
                                                  is_first_iteration=False, n_last_matches=0)
         assert candidates[0, origin + 2 :].tolist() == chain.draft_tokens[0, origin].tolist()
+
+
+def test_grown_drafter_drafts_what_it_drafted_and_its_new_layers_learn(targets):
+    target = targets.target("llama")
+    sequences = targets.sequences("llama")[:2]
+    torch.manual_seed(3)
+    one = MTPDrafter.from_target(target, num_draft_tokens=3, draft_token_ids=torch.unique(sequences)).eval()
+    sharpen_attention(one)
+    two = grow_mtp_layers(one, 2)
+    three = grow_mtp_layers(two, 3)
+    assert two.config.num_hidden_layers == 2 and len(three.layers) == 2
+    with torch.no_grad():
+        before = run_chain(target, one, sequences)
+        for grown in (two, three):
+            after = run_chain(target, grown, sequences)
+            assert torch.equal(before.draft_tokens, after.draft_tokens)
+            torch.testing.assert_close(before.alpha, after.alpha)
+    result = run_chain(target, three.train(), sequences)
+    result.loss.backward()
+    for layer in three.layers:  # zeroed output projections receive gradient at once
+        assert layer.self_attn.o_proj.weight.grad.abs().sum() > 0 and layer.mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="more layers"):
+        grow_mtp_layers(two, 2)
+    with pytest.raises(DrafterConfigError, match="deepseek-style"):
+        grow_mtp_layers(MTPDrafter.from_target(target, layer_style="deepseek"), 2)
 
 
 def test_packed_documents_do_not_see_each_other(targets):
@@ -73,16 +110,19 @@ def test_ttt_switch_and_objectives(targets):
     assert 0.0 <= result.loss.item() <= 1.0
 
 
-@pytest.mark.parametrize("name,draft_vocab_size", [("mtp-chat", None), ("mtp-chat", 48), ("mtp-chat-deepseek", None)])
-def test_mtp_recipe_training_improves_tau(targets, tmp_path, name, draft_vocab_size):
+@pytest.mark.parametrize("name,draft_vocab_size,layers", [("mtp-chat", None, None), ("mtp-chat", 48, 2),
+                                                          ("mtp-chat-deepseek", None, None)])
+def test_mtp_recipe_training_improves_tau(targets, tmp_path, name, draft_vocab_size, layers):
     target = targets.target("llama")
     sequences = targets.sequences("llama")
     rows = [{"input_ids": row.tolist(), "loss_start": PROMPT_LENGTH} for row in sequences]
     recipe = Recipe(name=name, num_draft_tokens=3, draft_vocab_size=draft_vocab_size, lk_steps=60, tv_steps=15,
-                    batch_size=6, learning_rate=3e-3, logging_steps=5)
+                    batch_size=6, learning_rate=3e-3, logging_steps=5, num_hidden_layers=layers)
     train_drafter(target, rows, tmp_path, recipe, pad_token_id=0)
     loaded = AutoModel.from_pretrained(tmp_path / "final").eval()
     assert loaded.config.uses_reduced_vocab == (draft_vocab_size is not None)
+    assert loaded.config.num_hidden_layers == (layers or 1)
+    assert json.loads((tmp_path / "final" / "training_recipe.json").read_text())["num_hidden_layers"] == (layers or 1)
     assert loaded.config.layer_style == ("deepseek" if name.endswith("deepseek") else "eagle3")
     untrained = MTPDrafter.from_target(target, num_draft_tokens=3).eval()
     taus = {}

@@ -1,4 +1,5 @@
-"""AngelSpec MTP drafter: one decoder layer (EAGLE-3 or DeepSeek-V3 MTP style), drafting token by token.
+"""AngelSpec MTP drafter: one decoder layer (EAGLE-3 or DeepSeek-V3 MTP style), drafting token by token,
+optionally followed by further plain decoder layers (EAGLE-3 style, ``num_hidden_layers`` > 1).
 
 Input at target position t: the fused target feature (or, once the draft runs ahead of the
 target, the drafter's own previous hidden state) and the embedding of token t+1; output: the
@@ -30,11 +31,12 @@ class MTPAttention(nn.Module):
     """Self-attention of the MTP layer: over ``[norm(embedding); norm(hidden)]`` (2H wide) in the
     EAGLE-3 style, over the fused H-wide input in the DeepSeek style, with optional QK-norm."""
 
-    def __init__(self, config: MTPDrafterConfig):
+    def __init__(self, config: MTPDrafterConfig, width: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.rope_theta = config.rope_theta
-        width = config.hidden_size * (2 if config.layer_style == "eagle3" else 1)
+        if width is None:
+            width = config.hidden_size * (2 if config.layer_style == "eagle3" else 1)
         self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
@@ -63,6 +65,24 @@ class MTPAttention(nn.Module):
         return self.o_proj(attend(q, k, v, mask)), (k, v)
 
 
+class MTPDecoderLayer(nn.Module):
+    """A plain pre-norm decoder layer stacked on the MTP layer (``num_hidden_layers`` > 1): it
+    reads the hidden stream only, so all the target conditioning stays in the first layer and a
+    drafter grown from a one-layer one keeps its weights and state-dict names."""
+
+    def __init__(self, config: MTPDrafterConfig):
+        super().__init__()
+        size = config.hidden_size
+        self.input_norm = RMSNorm(size, config.rms_norm_eps)
+        self.self_attn = MTPAttention(config, width=size)
+        self.post_attention_norm = RMSNorm(size, config.rms_norm_eps)
+        self.mlp = SwiGLU(size, config.intermediate_size, size)
+
+    def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        hidden = residual + attn
+        return hidden + self.mlp(self.post_attention_norm(hidden))
+
+
 class MTPDrafter(AngelSpecPreTrainedModel):
     """Autoregressive MTP drafter, trained with training-time test (see DESIGN.md).
 
@@ -71,7 +91,7 @@ class MTPDrafter(AngelSpecPreTrainedModel):
     """
 
     config_class = MTPDrafterConfig
-    _no_split_modules = ["MTPAttention"]
+    _no_split_modules = ["MTPAttention", "MTPDecoderLayer"]
 
     def __init__(self, config: MTPDrafterConfig):
         super().__init__(config)
@@ -87,6 +107,8 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         self.self_attn = MTPAttention(config)
         self.post_attention_norm = RMSNorm(size, config.rms_norm_eps)
         self.mlp = SwiGLU(size, config.intermediate_size, size)
+        # Empty for the one-layer drafter, so its checkpoints keep exactly their tensors.
+        self.layers = nn.ModuleList(MTPDecoderLayer(config) for _ in range(config.num_hidden_layers - 1))
         self.norm = RMSNorm(size, config.rms_norm_eps)
         if config.uses_reduced_vocab:
             self.lm_head = nn.Linear(size, config.draft_vocab_size, bias=False)
@@ -124,6 +146,16 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         # The DeepSeek layer feeds its final-normed output forward, so the norm belongs to the step.
         return self.norm(hidden) if self.deepseek_style else hidden
 
+    def decode(self, hidden: torch.Tensor, input_embeds: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """One draft step through every layer; ``attention(layer, attention_module, x)`` computes
+        each layer's attention output, so that inference (with a KV cache) and training (with the
+        unrolled chain's keys, training/mtp.py) share one definition of the layer stack."""
+        residual, x = self.attention_input(hidden, input_embeds, positions)
+        hidden = self.finish(residual, attention(0, self.self_attn, x))
+        for index, layer in enumerate(self.layers, start=1):
+            hidden = layer.finish(hidden, attention(index, layer.self_attn, layer.input_norm(hidden)))
+        return hidden
+
     def forward(self, hidden, input_embeds, positions, past_key_values=None, attention_mask=None):
         """One decoder step for a chunk of positions.
 
@@ -131,14 +163,22 @@ class MTPDrafter(AngelSpecPreTrainedModel):
             hidden: (batch, seq, H) fused target features or the drafter's own previous outputs.
             input_embeds: (batch, seq, H) embeddings of the next tokens.
             positions: (batch, seq) absolute positions.
-            past_key_values: optional ``(keys, values)`` of earlier positions.
+            past_key_values: optional ``(keys, values)`` of earlier positions, per layer in turn
+                (``(keys_0, values_0, keys_1, values_1, ...)``).
             attention_mask: optional boolean (batch, 1, seq, past + seq), True where attention is allowed.
         Returns:
-            ``(hidden_out, (keys, values))``; ``hidden_out`` feeds ``logits`` and the next step.
+            ``(hidden_out, present)``: ``hidden_out`` feeds ``logits`` and the next step; ``present``
+            the keys and values including the past ones, laid out as ``past_key_values``.
         """
-        residual, x = self.attention_input(hidden, input_embeds, positions)
-        attn, present = self.self_attn(x, positions, past_key_values, attention_mask)
-        return self.finish(residual, attn), present
+        present: list[torch.Tensor] = []
+
+        def attention(layer: int, module: MTPAttention, x: torch.Tensor) -> torch.Tensor:
+            past = None if past_key_values is None else past_key_values[2 * layer : 2 * layer + 2]
+            out, keys_values = module(x, positions, past, attention_mask)
+            present.extend(keys_values)
+            return out
+
+        return self.decode(hidden, input_embeds, positions, attention), tuple(present)
 
     def draft_token_ids(self) -> torch.Tensor:
         """Target ids of the draft vocabulary, in draft-vocabulary order."""
@@ -202,7 +242,7 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.past: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.past: tuple[torch.Tensor, ...] | None = None  # keys and values of every layer in turn
         self.last_hidden: torch.Tensor | None = None
 
     def ingest(self, input_ids, features):
@@ -224,7 +264,7 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
         lengths = [generator.past[0].shape[2] if generator.past is not None else 0 for generator in generators]
         if max(lengths):
             past = tuple(stack_right_padded([g.past[part] if g.past is not None else g._empty_past(part)
-                                             for g in generators], dim=2) for part in range(2))
+                                             for g in generators], dim=2) for part in range(first.cache_parts))
             context_mask = cls.stacked_context_mask(generators, lengths).expand(-1, -1, width, -1)
         else:
             past, context_mask = None, torch.ones(len(generators), 1, width, 0, dtype=torch.bool, device=device)
@@ -235,13 +275,18 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
                 real[row, : counts[row]] &= generator.key_padding[0, generator.committed : generator.committed + counts[row]]
         causal = new_keys[None, :] <= new_keys[:, None]
         mask = torch.cat([context_mask, (causal[None] & real[:, None, :])[:, None]], dim=-1)
-        hidden, (keys, values) = drafter(fused, first._embed(tokens), positions, past, mask)
+        hidden, present = drafter(fused, first._embed(tokens), positions, past, mask)
         context = max(lengths)
         for row, (generator, count) in enumerate(zip(generators, counts)):
-            new = (keys[row : row + 1, :, context : context + count], values[row : row + 1, :, context : context + count])
+            new = tuple(part[row : row + 1, :, context : context + count] for part in present)
             generator.past = new if generator.past is None else tuple(
                 torch.cat([old, part], dim=2) for old, part in zip(generator.past, new))
             generator.last_hidden = hidden[row : row + 1, count - 1 : count]
+
+    @property
+    def cache_parts(self) -> int:
+        """Tensors in a cache: keys and values per layer."""
+        return 2 * self.drafter.config.num_hidden_layers
 
     def _empty_past(self, part: int) -> torch.Tensor:
         """A zero-length cache entry shaped like this drafter's keys (rows that have none yet)."""
@@ -260,7 +305,8 @@ class MTPCandidateGenerator(AngelSpecCandidateGenerator):
         drafter = first.drafter
         rows = len(generators)
         lengths = [generator.past[0].shape[2] for generator in generators]
-        past = tuple(stack_right_padded([generator.past[part] for generator in generators], dim=2) for part in range(2))
+        past = tuple(stack_right_padded([generator.past[part] for generator in generators], dim=2)
+                     for part in range(first.cache_parts))
         context_mask = cls.stacked_context_mask(generators, lengths)
         hidden = torch.cat([generator.last_hidden for generator in generators])
         # The last ingested origin sits at position len - 2 (its feature's), and draft step k plays

@@ -524,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rollout-length", type=int, default=448)
     train.add_argument("--output", required=True)
     train.add_argument("--block-size", type=int, default=defaults.block_size)
-    train.add_argument("--layers", type=int, default=defaults.num_hidden_layers)
+    train.add_argument("--layers", type=int, default=None,
+                       help="decoder layers of a new drafter (default: 2 for block recipes, 1 for MTP recipes)")
     train.add_argument("--lk-steps", type=int, default=defaults.lk_steps)
     train.add_argument("--tv-steps", type=int, default=defaults.tv_steps)
     train.add_argument("--batch-size", type=int, default=defaults.batch_size)
@@ -536,9 +537,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue this trained drafter (directory or Hub id) instead of starting a new one; "
                             "it keeps its own layers and draft vocabulary")
     train.add_argument("--grow-layers", type=int, default=None,
-                       help="with --from and a block recipe: first append draft layers up to this many, each starting "
-                            "as the identity (a copy of the last layer with its output projections zeroed), so the "
-                            "drafter starts from what it drafts now with more capacity")
+                       help="with --from: first append draft layers up to this many, each starting as the identity "
+                            "(block drafters: a copy of the last layer; MTP: a plain decoder layer made from the last "
+                            "one; output projections zeroed), so the drafter starts from what it drafts now with more "
+                            "capacity")
     train.add_argument("--bf16", action="store_true",
                        help="mixed precision: the drafter's matmuls in bfloat16 (GPUs, and CPUs with AMX: 1.4-1.6x faster "
                             "steps measured); weights, losses and the target's soft labels stay float32")

@@ -9,6 +9,9 @@ LAYER_STYLES = ("eagle3", "deepseek")
 class MTPDrafterConfig(AngelSpecDrafterConfig):
     """One decoder layer fed by target features, drafting token by token.
 
+    ``num_hidden_layers`` (common field, default 1) > 1 stacks plain decoder layers on that one
+    (``eagle3`` style only): each draft step runs them all, and each keeps its own KV cache.
+
     Args:
         num_draft_tokens: tokens drafted per round at inference (the TTT depth D by default).
         ttt_steps: how many draft steps training unrolls on the drafter's own predictions.
@@ -40,6 +43,11 @@ class MTPDrafterConfig(AngelSpecDrafterConfig):
             raise DrafterConfigError(f"layer_style must be one of {LAYER_STYLES}, got {self.layer_style!r}.")
         if self.qk_norm is None:
             self.qk_norm = self.layer_style == "deepseek"
+        if self.layer_style == "deepseek" and self.num_hidden_layers != 1:
+            raise DrafterConfigError(
+                f"A deepseek-style MTP drafter is one MTP layer (AngelSpec's MTPDraftModel), got num_hidden_layers="
+                f"{self.num_hidden_layers}. Fix: num_hidden_layers=1, or layer_style='eagle3' to stack further layers."
+            )
         if self.layer_style == "deepseek":
             last = [self.num_target_layers - 1]
             if self.target_layer_ids is None:

@@ -84,6 +84,11 @@ def export_eagle3(drafter: MTPDrafter, out_dir: str | Path, target=None) -> Path
         )
     if config.target_layer_ids is None or len(config.target_layer_ids) != 3:
         raise DrafterConfigError(f"EAGLE-3 fuses exactly 3 target layers; this drafter reads {config.target_layer_ids}.")
+    if config.num_hidden_layers != 1:
+        raise DrafterConfigError(
+            f"EAGLE-3 checkpoints hold one decoder layer; this MTP drafter has {config.num_hidden_layers}. Fix: share it "
+            "in the angelspec-hf format (save_pretrained / push_to_hub), which transformers loads as remote code."
+        )
     weights = {key: value.detach() for key, value in drafter.state_dict().items()}
     if not config.uses_reduced_vocab:
         if target is None:

@@ -4,17 +4,20 @@ Step 0 at position t reads the fused target feature and token t+1 and predicts t
 k >= 1 reads step k-1's own output hidden state and its own argmax token, at position t+k, and
 predicts token t+k+2; its keys are the committed (step-0) keys of positions <= t plus the keys
 its own chain wrote at steps 1..k. That is exactly what inference attends to, so deep positions
-learn to recover from the drafter's own mistakes. With ``ttt=False`` only step 0 is trained
+learn to recover from the drafter's own mistakes; a drafter of several layers keeps such keys per
+layer. With ``ttt=False`` only step 0 is trained
 (teacher forcing, the ablation). Rows never attend across ``document_ids`` boundaries, so packed
 sequences stay separate.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import DrafterConfigError
 from .losses import (
     acceptance_probability,
     end_to_end_tv_loss,
@@ -107,17 +110,21 @@ def chain_loss(
     # step's soft labels are rows of one target pass over positions 1..length-1.
     labels = target_vocabulary_logits(drafter, lm_head, target_hidden[:, 1:])
     label_best = labels.argmax(-1)
-    committed, chain, draft_tokens = None, [], []
+    layers = drafter.config.num_hidden_layers
+    committed, chains, draft_tokens = [None] * layers, [[] for _ in range(layers)], []
     per_step: dict[str, list[torch.Tensor]] = {"alpha": [], "loss": [], "greedy": []}
     origin = torch.arange(origins, device=device)
     for step in range(depth):
-        residual, x = drafter.attention_input(hidden, embed_tokens(tokens).to(dtype), positions + step)
-        attn, present = step_attention(drafter.self_attn, x, positions + step, committed, chain, allowed)
-        if committed is None:
-            committed = present
-        else:
-            chain.append(present)
-        hidden = drafter.finish(residual, attn)
+
+        def attention(layer: int, module, x: torch.Tensor, step: int = step) -> torch.Tensor:
+            out, present = step_attention(module, x, positions + step, committed[layer], chains[layer], allowed)
+            if committed[layer] is None:
+                committed[layer] = present
+            else:
+                chains[layer].append(present)
+            return out
+
+        hidden = drafter.decode(hidden, embed_tokens(tokens).to(dtype), positions + step, attention)
         # Per step, not stacked: the vocabulary-wide logits are the bulk of the step's memory traffic.
         draft = drafter.vocab_logits(hidden, lm_head).float()
         label_index = (origin + step).clamp(max=origins - 1)
@@ -141,3 +148,45 @@ def chain_loss(
         loss = weighted_mean(end_to_end_tv_loss(alpha), valid.float())
     return ChainLoss(loss=loss, alpha=alpha.detach(), greedy_match=greedy_match, valid=valid,
                      draft_tokens=torch.stack(draft_tokens, dim=2))
+
+
+def grow_mtp_layers(drafter, num_hidden_layers: int):
+    """A copy of a trained EAGLE-3-style MTP drafter with plain decoder layers appended that start
+    as the identity, so that it drafts exactly what ``drafter`` does and training continues with
+    more capacity instead of from scratch.
+
+    A new layer copies the last stacked layer, or, grown from one layer, the first layer's MLP and
+    norms and the columns of its query/key/value projections that read the hidden stream (the
+    first layer's attention reads ``[embedding; hidden]``); its attention output and MLP down
+    projections are zeroed, so its residual branches add nothing until training moves them.
+    """
+    from ..modeling_angelspec_mtp import MTPDrafter
+
+    if not isinstance(drafter, MTPDrafter):
+        raise TypeError(f"grow_mtp_layers grows MTP drafters; got {type(drafter).__name__}.")
+    if drafter.config.layer_style != "eagle3":
+        raise DrafterConfigError(
+            f"A deepseek-style MTP drafter is one MTP layer (AngelSpec's MTPDraftModel) and cannot grow. Fix: grow an "
+            "EAGLE-3-style one (recipe mtp-chat).")
+    old = drafter.config.num_hidden_layers
+    if not isinstance(num_hidden_layers, int) or num_hidden_layers <= old:
+        raise ValueError(f"grow_mtp_layers needs more layers than the drafter's {old}; got {num_hidden_layers!r}.")
+    config = copy.deepcopy(drafter.config)
+    config.num_hidden_layers = num_hidden_layers
+    grown = MTPDrafter(config).to(device=drafter.device, dtype=drafter.dtype)
+    state = drafter.state_dict()
+    if old > 1:
+        template = {key.split(".", 2)[2]: value for key, value in state.items() if key.startswith(f"layers.{old - 2}.")}
+    else:
+        size = config.hidden_size
+        template = {f"self_attn.{name}.weight": state[f"self_attn.{name}.weight"][:, size:] for name in ("q_proj", "k_proj", "v_proj")}
+        template.update({"input_norm.weight": state["hidden_norm.weight"],
+                         "post_attention_norm.weight": state["post_attention_norm.weight"],
+                         "self_attn.o_proj.weight": state["self_attn.o_proj.weight"],
+                         **{f"mlp.{name}.weight": state[f"mlp.{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj")}})
+    for index in range(old - 1, num_hidden_layers - 1):
+        state.update({f"layers.{index}.{name}": value.clone() for name, value in template.items()})
+        state[f"layers.{index}.self_attn.o_proj.weight"] = torch.zeros_like(template["self_attn.o_proj.weight"])
+        state[f"layers.{index}.mlp.down_proj.weight"] = torch.zeros_like(template["mlp.down_proj.weight"])
+    grown.load_state_dict(state, strict=True)
+    return grown.train(drafter.training)

@@ -21,6 +21,7 @@ from ..errors import DrafterConfigError
 from ..modeling_angelspec_dfly import DFlyDrafter
 from ..modeling_angelspec_mtp import MTPDrafter
 from .block import grow_layers
+from .mtp import grow_mtp_layers
 from .trainer import DrafterTrainer, SequenceCollator
 
 logger = logging.getLogger(__name__)
@@ -37,15 +38,21 @@ RECIPES = {
 }
 
 
+# Decoder layers of a new drafter when the recipe does not say: block drafters need depth for a
+# whole block at once; the MTP drafter is EAGLE-3's single layer unless asked for more.
+DEFAULT_LAYERS = {"dfly": 2, "mtp": 1}
+
+
 @dataclass
 class Recipe:
-    """One training run. ``block_size``/``num_hidden_layers`` apply to block drafters,
-    ``num_draft_tokens`` (also the TTT depth) to MTP drafters, ``draft_vocab_size`` to both (MTP
-    learns its own reduced head; DFly drafts with those rows of the target's head)."""
+    """One training run. ``block_size`` applies to block drafters, ``num_draft_tokens`` (also the
+    TTT depth) to MTP drafters, ``num_hidden_layers`` (``None``: 2 for block drafters, 1 for MTP)
+    and ``draft_vocab_size`` to both (MTP learns its own reduced head; DFly drafts with those rows
+    of the target's head)."""
 
     name: str = "dfly-code"
     block_size: int = 8
-    num_hidden_layers: int = 2
+    num_hidden_layers: int | None = None
     num_draft_tokens: int = 3
     draft_vocab_size: int | None = None
     lk_steps: int = 400
@@ -95,6 +102,8 @@ def new_drafter(target, recipe: Recipe, token_counts: torch.Tensor | None = None
     A reduced vocabulary keeps the ``draft_vocab_size`` most frequent tokens of ``token_counts``.
     """
     family, overrides, _ = RECIPES[recipe.name]
+    if recipe.num_hidden_layers is None:
+        recipe.num_hidden_layers = DEFAULT_LAYERS[family]
     ids = None
     if recipe.draft_vocab_size is not None and token_counts is not None:
         ids = frequent_token_ids(token_counts, recipe.draft_vocab_size)
@@ -105,14 +114,14 @@ def new_drafter(target, recipe: Recipe, token_counts: torch.Tensor | None = None
                                        num_hidden_layers=recipe.num_hidden_layers, **overrides)
     return MTPDrafter.from_target(target, num_draft_tokens=recipe.num_draft_tokens,
                                   draft_vocab_size=None if ids is not None else recipe.draft_vocab_size,
-                                  draft_token_ids=ids, **overrides)
+                                  draft_token_ids=ids, num_hidden_layers=recipe.num_hidden_layers, **overrides)
 
 
 def continued_drafter(path: str | os.PathLike, recipe: Recipe, grow_to: int | None = None):
     """A trained drafter from ``path`` to continue with ``recipe``, in float32 for training.
 
-    ``grow_to`` appends block-drafter layers that start as the identity (`grow_layers`), so a
-    trained drafter gains capacity without starting over. A drafter of another family or variant
+    ``grow_to`` appends layers that start as the identity (`grow_layers` for block drafters,
+    `grow_mtp_layers` for MTP ones), so a trained drafter gains capacity without starting over. A drafter of another family or variant
     than the recipe trains is refused: its switches, not the recipe's, would be trained.
     """
     from transformers import AutoModel
@@ -127,9 +136,8 @@ def continued_drafter(path: str | os.PathLike, recipe: Recipe, grow_to: int | No
             f"{path} holds a {type(drafter).__name__} ({differing or 'another family'}) that recipe {recipe.name!r} "
             f"does not train ({expected.__name__} with {overrides}); continue it with the recipe it was trained with.")
     if grow_to is not None:
-        drafter = grow_layers(drafter, grow_to)
-    if family == "dfly":
-        recipe.num_hidden_layers = drafter.config.num_hidden_layers
+        drafter = (grow_layers if family == "dfly" else grow_mtp_layers)(drafter, grow_to)
+    recipe.num_hidden_layers = drafter.config.num_hidden_layers
     return drafter
 
 
