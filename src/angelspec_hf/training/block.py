@@ -9,12 +9,12 @@ correction head is teacher-forced with the sequence's token at ``p+j-1``.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 
 from ..modeling_angelspec_dfly import DFlyDrafter
+from .growth import deeper_model
 from .losses import (
     acceptance_probability,
     dpace_weights,
@@ -72,15 +72,8 @@ def grow_layers(drafter, num_hidden_layers: int):
     more capacity instead of from scratch. Gradients reach the zeroed projections at once (their
     inputs are the copied layer's activations) and the rest of each new layer once they move.
     """
-    if not isinstance(drafter, DFlyDrafter):
-        raise TypeError(f"grow_layers grows block (DFly/DFlash/DFlare) drafters; got {type(drafter).__name__}.")
+    grown, state = deeper_model(drafter, DFlyDrafter, num_hidden_layers, "block (DFly/DFlash/DFlare)")
     old = drafter.config.num_hidden_layers
-    if not isinstance(num_hidden_layers, int) or num_hidden_layers <= old:
-        raise ValueError(f"grow_layers needs more layers than the drafter's {old}; got {num_hidden_layers!r}.")
-    config = copy.deepcopy(drafter.config)
-    config.num_hidden_layers = num_hidden_layers
-    grown = DFlyDrafter(config).to(device=drafter.device, dtype=drafter.dtype)
-    state = drafter.state_dict()
     last = {key.split(".", 2)[2]: value for key, value in state.items() if key.startswith(f"layers.{old - 1}.")}
     for index in range(old, num_hidden_layers):
         state.update({f"layers.{index}.{name}": value.clone() for name, value in last.items()})

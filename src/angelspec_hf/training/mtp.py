@@ -12,12 +12,12 @@ sequences stay separate.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import DrafterConfigError
+from .growth import deeper_model
 from .losses import (
     acceptance_probability,
     end_to_end_tv_loss,
@@ -162,23 +162,15 @@ def grow_mtp_layers(drafter, num_hidden_layers: int):
     """
     from ..modeling_angelspec_mtp import MTPDrafter
 
-    if not isinstance(drafter, MTPDrafter):
-        raise TypeError(f"grow_mtp_layers grows MTP drafters; got {type(drafter).__name__}.")
-    if drafter.config.layer_style != "eagle3":
+    if getattr(drafter.config, "layer_style", "eagle3") != "eagle3":
         raise DrafterConfigError(
-            f"A deepseek-style MTP drafter is one MTP layer (AngelSpec's MTPDraftModel) and cannot grow. Fix: grow an "
+            "A deepseek-style MTP drafter is one MTP layer (AngelSpec's MTPDraftModel) and cannot grow. Fix: grow an "
             "EAGLE-3-style one (recipe mtp-chat).")
-    old = drafter.config.num_hidden_layers
-    if not isinstance(num_hidden_layers, int) or num_hidden_layers <= old:
-        raise ValueError(f"grow_mtp_layers needs more layers than the drafter's {old}; got {num_hidden_layers!r}.")
-    config = copy.deepcopy(drafter.config)
-    config.num_hidden_layers = num_hidden_layers
-    grown = MTPDrafter(config).to(device=drafter.device, dtype=drafter.dtype)
-    state = drafter.state_dict()
+    grown, state = deeper_model(drafter, MTPDrafter, num_hidden_layers, "MTP")
+    old, size = drafter.config.num_hidden_layers, drafter.config.hidden_size
     if old > 1:
         template = {key.split(".", 2)[2]: value for key, value in state.items() if key.startswith(f"layers.{old - 2}.")}
     else:
-        size = config.hidden_size
         template = {f"self_attn.{name}.weight": state[f"self_attn.{name}.weight"][:, size:] for name in ("q_proj", "k_proj", "v_proj")}
         template.update({"input_norm.weight": state["hidden_norm.weight"],
                          "post_attention_norm.weight": state["post_attention_norm.weight"],
