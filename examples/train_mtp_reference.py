@@ -13,7 +13,9 @@
 The first command trained the MTP drafter shipped until 2026-12-01 (`modeling-runs/mtp/final`); the
 second and third continued it without a held-out gain (see README); the last continued it (the
 weights of commit 294d445) with the steered chat rollouts added into the shipped one (31 minutes,
-held-out MT-Bench chat tau 1.349 -> 1.387).
+held-out MT-Bench chat tau 1.349 -> 1.387). Not shipped (README, "Trained drafters"): the same
+continuation with the 1400 steered rollouts of 2026-12-03 (`modeling-runs/mtp8 700 100 ... --seed 8
+--threads 1`, chat tau 1.391) and that run grown to two layers (`modeling-runs/mtp9 ... --grow 2`, 1.378).
 
 Both stages read every rollout in the repository: the chat rollouts (Magpie-style and MT-Bench
 training prompts) three times, the code and math rollouts once, so that the drafter sees the
