@@ -53,11 +53,13 @@ def test_unrolled_chain_drafts_what_inference_drafts(targets, reduced, style, la
         assert candidates[0, origin + 2 :].tolist() == chain.draft_tokens[0, origin].tolist()
 
 
-def test_grown_drafter_drafts_what_it_drafted_and_its_new_layers_learn(targets):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_grown_drafter_drafts_what_it_drafted_and_its_new_layers_learn(targets, qk_norm):
     target = targets.target("llama")
     sequences = targets.sequences("llama")[:2]
     torch.manual_seed(3)
-    one = MTPDrafter.from_target(target, num_draft_tokens=3, draft_token_ids=torch.unique(sequences)).eval()
+    one = MTPDrafter.from_target(target, num_draft_tokens=3, draft_token_ids=torch.unique(sequences),
+                                 qk_norm=qk_norm).eval()
     sharpen_attention(one)
     two = grow_mtp_layers(one, 2)
     three = grow_mtp_layers(two, 3)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import DrafterConfigError
 from .growth import deeper_model
 from .losses import (
     acceptance_probability,
@@ -158,14 +157,11 @@ def grow_mtp_layers(drafter, num_hidden_layers: int):
     A new layer copies the last stacked layer, or, grown from one layer, the first layer's MLP and
     norms and the columns of its query/key/value projections that read the hidden stream (the
     first layer's attention reads ``[embedding; hidden]``); its attention output and MLP down
-    projections are zeroed, so its residual branches add nothing until training moves them.
+    projections are zeroed, so its residual branches add nothing until training moves them. A
+    deepseek-style drafter, one MTP layer by definition, is refused by its config.
     """
     from ..modeling_angelspec_mtp import MTPDrafter
 
-    if getattr(drafter.config, "layer_style", "eagle3") != "eagle3":
-        raise DrafterConfigError(
-            "A deepseek-style MTP drafter is one MTP layer (AngelSpec's MTPDraftModel) and cannot grow. Fix: grow an "
-            "EAGLE-3-style one (recipe mtp-chat).")
     grown, state = deeper_model(drafter, MTPDrafter, num_hidden_layers, "MTP")
     old, size = drafter.config.num_hidden_layers, drafter.config.hidden_size
     if old > 1:
@@ -175,6 +171,8 @@ def grow_mtp_layers(drafter, num_hidden_layers: int):
         template.update({"input_norm.weight": state["hidden_norm.weight"],
                          "post_attention_norm.weight": state["post_attention_norm.weight"],
                          "self_attn.o_proj.weight": state["self_attn.o_proj.weight"],
+                         **{f"self_attn.{name}.weight": state[f"self_attn.{name}.weight"]
+                            for name in ("q_norm", "k_norm") if f"self_attn.{name}.weight" in state},
                          **{f"mlp.{name}.weight": state[f"mlp.{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj")}})
     for index in range(old - 1, num_hidden_layers - 1):
         state.update({f"layers.{index}.{name}": value.clone() for name, value in template.items()})
