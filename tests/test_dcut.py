@@ -263,6 +263,29 @@ def test_retries_that_do_not_pay_back_off():
     assert policy.backoff == 1 and policy.should_draft()
 
 
+def test_batch1_gate_weighs_a_round_by_what_the_cut_expected():
+    """A round that accepted nothing counts for its calibrated expectation, as in the engine."""
+    policy = DCutPolicy(linear_cost(1.0, 0.0), explore_every=1000)
+    assert policy.choose([0.9, 0.8], context=10) == 2  # verification is free: keep both
+    policy.observe([0.9, 0.8], accepted=0, draft_seconds=0.0, context=10)
+    assert policy.efficiency == pytest.approx(1 + 0.9 + 0.9 * 0.8)
+    # Without a `choose` the round counts for what it accepted.
+    policy.observe([0.9, 0.8], accepted=1, draft_seconds=0.0, context=10)
+    assert policy.efficiency == pytest.approx((1 + 0.9 + 0.72 + 2) / 2)
+
+
+def test_gate_averages_its_first_rounds_evenly():
+    """Until a full smoothing window of rounds is in, the gate's efficiency is their plain mean, so
+    a bad first round does not outweigh the next ones (with smoothing 0.05 it weighed 19 of them)."""
+    policy = DCutPolicy(linear_cost(1.0, 0.0), explore_every=1000, smoothing=0.25)
+    rates = [0.5, 1.5, 1.3, 1.1]
+    for tokens in rates:
+        policy.observe([], accepted=round(tokens * 10) - 1, draft_seconds=9.0, context=10)  # 10x the time
+    assert policy.efficiency == pytest.approx(sum(rates) / 4)
+    policy.observe([], accepted=19, draft_seconds=9.0, context=10)  # rate 2.0, now at the smoothing
+    assert policy.efficiency == pytest.approx(0.75 * 1.1 + 0.25 * 2.0)
+
+
 @pytest.mark.parametrize("budget, wait", [(None, 16), (0.02, 400), (0.5, 16)])
 def test_batch_retries_wait_until_their_loss_fits_the_probe_budget(budget, wait):
     from angelspec_hf.generation import BatchDCutPolicy

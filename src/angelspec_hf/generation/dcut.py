@@ -6,10 +6,10 @@ acceptance of position j. Keeping k positions yields ``1 + sum_{j<=k} s_j`` toke
 verification of k+1 tokens, whose cost comes from the profiled `CostModel`; D-cut keeps the k that
 maximises tokens per second, counting the round's drafting time with its verification. Drafting
 itself is timed online, and put into the profile's time by the pace of the target's forwards
-(measured over predicted, see `_DraftGate.record_forward`); when recent rounds produced fewer
-tokens per second than plain decoding would have, the policy stops drafting and only retries
-after ``explore_every`` rounds or more (see `_DraftGate`), so a speculative configuration is not
-slower than AR for long.
+(measured over predicted, see `_DraftGate.record_forward`); when recent rounds were expected (by
+their calibrated survivals) to make fewer tokens per second than plain decoding would have, the
+policy stops drafting and only retries after ``explore_every`` rounds or more (see `_DraftGate`),
+so a speculative configuration is not slower than AR for long.
 Every ``explore_every``-th kept draft is kept whole, so the calibration keeps seeing outcomes at
 every depth even when the current estimate says to cut short.
 
@@ -197,6 +197,8 @@ class _DraftGate:
         self.max_backoff = max_backoff
         self.probe_budget = probe_budget
         self.efficiency: float | None = None  # moving average of (tokens/s drafting) / (tokens/s plain)
+        self.rounds = 0  # drafting rounds measured (see `_record_rate`)
+        self.expected_gain: float | None = None  # what the policy expected of the round being verified, for `observe`
         self.lost_steps = 0.0  # plain steps' worth of time the last drafting round lost (0 if it paid)
         self.backoff = 1
         self.skipped = 0
@@ -243,7 +245,13 @@ class _DraftGate:
     def _record_rate(self, tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> None:
         """One drafting round made ``tokens`` in ``seconds``; a plain step makes ``plain_tokens`` in ``plain_seconds``."""
         ratio = rate_over_plain(tokens, seconds, plain_tokens, plain_seconds)
-        self.efficiency = _moving(self.efficiency, ratio, self.smoothing)
+        # Until ``1 / smoothing`` rounds are in, the plain mean of the rounds so far: a moving average
+        # that starts at the first round lets that one round weigh as much as the next 1 / smoothing
+        # together, and a first round that drafted badly then closed the gate for the run (measured on
+        # the reference target, MTP-TTT3 on 3 chat prompts: drafting in 16 of 124 rounds, 0.97x plain
+        # decoding; fixed length 1.07x; with this mean and expected gains 1.11x).
+        self.rounds += 1
+        self.efficiency = _moving(self.efficiency, ratio, max(self.smoothing, 1 / self.rounds))
         self.lost_steps = max(0.0, seconds / plain_seconds - tokens / plain_tokens)
         self.backoff = 1 if self.efficiency >= 1.0 else min(2 * self.backoff, self.max_backoff)
 
@@ -281,20 +289,31 @@ class DCutPolicy(_DraftGate):
         self.decisions += 1
         self.drafted = len(confidences)
         self.longest_draft = max(self.longest_draft or 0, len(confidences))
-        if self.decisions % self.explore_every == 0:
-            return len(confidences)
         calibrated = [self.calibrator(c) for c in confidences]
-        return best_cut(calibrated, self.verify(context), (self.position_seconds or 0.0) * len(confidences))
+        if self.decisions % self.explore_every == 0:
+            keep = len(confidences)
+        else:
+            keep = best_cut(calibrated, self.verify(context), (self.position_seconds or 0.0) * len(confidences))
+        self.expected_gain = expected_tokens(survival_of(calibrated), keep)
+        return keep
 
     def observe(self, confidences: list[float], accepted: int, draft_seconds: float, context: int) -> None:
-        """Learn from a verified round: which kept positions were accepted, and what drafting cost."""
+        """Learn from a verified round: which kept positions were accepted, and what drafting cost.
+
+        The gate weighs the round by what `choose` expected of it (calibrated survivals of the kept
+        positions), as `BatchDCutPolicy.observe` does and for the same reason: at batch 1 a round
+        accepts 0 or a few tokens, far noisier than its expectation, and the realised counts closed
+        the gate on drafting that paid (measured on the reference target, DFly-Block8 on a math
+        prompt: tau 1.38 against 1.88 at fixed length; with expected gains 1.88). A round `choose`
+        did not see counts as accepted."""
         for position, confidence in enumerate(confidences[: accepted + 1]):
             self.calibrator.update(confidence, position < accepted)
         drafted, self.drafted = max(self.drafted, len(confidences), 1), 0
         draft_seconds = self.in_profile_time(draft_seconds)
         self.position_seconds = _moving(self.position_seconds, draft_seconds / drafted, self.smoothing)
         verify = self.verify(context)
-        self._record_rate(accepted + 1, draft_seconds + verify(len(confidences) + 1), 1, verify(1))
+        gained, self.expected_gain = (accepted + 1 if self.expected_gain is None else self.expected_gain), None
+        self._record_rate(gained, draft_seconds + verify(len(confidences) + 1), 1, verify(1))
 
 
 # About the last 10 forwards: a few seconds of decoding, shorter than the slow spells of a shared machine.
@@ -324,7 +343,6 @@ class BatchDCutPolicy(_DraftGate):
                  probe_budget: float | None = 0.02, track_pace: bool = True):
         super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget, track_pace)
         self.windows: list[int] = []  # chosen window of every drafting step, for reports
-        self.expected_gain: float | None = None  # what `window` expects the step to make, for `observe`
         self.row_draft_seconds: float | None = None  # moving average of a step's drafting time per drafting row (profile time)
         self.drafting_rows = 0  # rows that drafted in the step being verified (what `window` saw)
         self.last_step: _MeasuredStep | None = None  # what the latest drafting step was, for `predicted_efficiency`
