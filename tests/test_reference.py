@@ -77,3 +77,22 @@ def test_reference_target_in_bfloat16_verifies_exactly():
     fast = target.generate(**inputs, assistant_model=drafter, max_new_tokens=48, do_sample=False)
     assert torch.equal(plain, fast)
     assert sum(drafter.last_speculation_stats.accepted) > 0
+
+
+def test_the_cli_loads_the_reference_target_in_its_dtype_rather_than_casting_it(targets, tmp_path, monkeypatch):
+    """`.to(bfloat16)` after loading would also round the RoPE inverse frequencies, which
+    `from_pretrained(dtype=bfloat16)` keeps in float32: a different model (other greedy outputs)
+    from the one users load, so benchmarks in bfloat16 would measure the wrong one."""
+    from transformers import AutoModelForCausalLM
+
+    from angelspec_hf import cli
+    from fitting import tiny_tokenizer
+
+    targets.target("llama").save_pretrained(tmp_path / "tiny")
+    monkeypatch.setattr(cli, "load_reference_target", lambda dtype=torch.float32: (
+        AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=dtype).eval(), tiny_tokenizer()))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=torch.float32)
+    for model in (cli.load_target("reference", "bfloat16")[0], cli.load_target_model("reference", "bfloat16")):
+        assert model.dtype == torch.bfloat16
+        for name, buffer in model.named_buffers():
+            assert buffer.dtype == torch.float32 and torch.equal(buffer, dict(reference.named_buffers())[name])

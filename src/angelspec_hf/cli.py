@@ -189,8 +189,9 @@ def run_convert(args: argparse.Namespace) -> int:
 def load_target(name: str, dtype: str = "float32"):
     """``reference`` (the bundled SmolLM2-135M-Instruct) or a local directory / cached Hub id, with its tokenizer."""
     if name == "reference":
-        target, tokenizer = load_reference_target()
-        return target.to(getattr(torch, dtype)), tokenizer
+        # Loaded in its dtype, not cast after loading: `.to(bfloat16)` also rounds the RoPE inverse
+        # frequencies (float32 buffers under from_pretrained), a different model from the one users load.
+        return load_reference_target(getattr(torch, dtype))
     from transformers import AutoTokenizer
 
     return load_target_model(name, dtype), AutoTokenizer.from_pretrained(name)
@@ -199,7 +200,7 @@ def load_target(name: str, dtype: str = "float32"):
 def load_target_model(name: str, dtype: str = "float32"):
     """The target model alone (what format conversion needs: a target saved without a tokenizer works)."""
     if name == "reference":
-        return load_reference_target()[0].to(getattr(torch, dtype))
+        return load_reference_target(getattr(torch, dtype))[0]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()
