@@ -34,6 +34,11 @@
         --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
         --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code \\
         --rollouts data/rollouts/SmolLM2-135M-Instruct-math
+    python examples/train_dfly_reference.py dflash-code modeling-runs/dflash11 3000 0 100000 \\
+        --from modeling/SmolLM2-135M-Instruct-AngelSpec-DFlash-Block8 --lr 5e-4 --code-seed 1 --seed 10 \\
+        --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct-math
 
 The first command trained the first shipped DFly drafter (over the full vocabulary; its 8192-token
 draft vocabulary was set afterwards with `angelspec-hf draft-vocab`); the second continued it
@@ -52,7 +57,10 @@ continued the bfloat16 weights shipped before it (commit 294d445) into the shipp
 2026-12-01/02 (data/README.md) had joined the three folders, continued the shipped (4096-token)
 drafter over them (`modeling-runs/dfly8` was a grown 4-layer run that was not shipped; 34 minutes)
 and the ninth made a second pass in a new row order into the shipped one (`modeling-runs/dfly10/lk`,
-33 minutes).
+33 minutes). The last command (2026-12-03, after 450 more steered math rollouts joined the math
+folder) continued the shipped DFlash baseline into the one shipped now (39 minutes); the same
+command with `dfly-code` and the DFly drafter (`modeling-runs/dfly11`) did not improve held-out tau
+and was not shipped (README, "Trained drafters").
 
 Stage 1 (LK + D-PACE) runs on standard-library code framed as replies to the training split of
 the code prompts (``corpus_tokens`` of it, files in ``--code-seed`` order), the target's code and
