@@ -91,8 +91,8 @@ def test_the_cli_loads_the_reference_target_in_its_dtype_rather_than_casting_it(
     targets.target("llama").save_pretrained(tmp_path / "tiny")
     monkeypatch.setattr(cli, "load_reference_target", lambda dtype=torch.float32: (
         AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=dtype).eval(), tiny_tokenizer()))
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=torch.float32)
+    reference = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=torch.float32).named_buffers())
     for model in (cli.load_target("reference", "bfloat16")[0], cli.load_target_model("reference", "bfloat16")):
         assert model.dtype == torch.bfloat16
         for name, buffer in model.named_buffers():
-            assert buffer.dtype == torch.float32 and torch.equal(buffer, dict(reference.named_buffers())[name])
+            assert buffer.dtype == torch.float32 and torch.equal(buffer, reference[name])
