@@ -75,6 +75,7 @@ target's states per row on disk, ``--rollouts DIR`` (repeatable) reads the rollo
 instead of ``data/rollouts/SmolLM2-135M-Instruct`` (for example with the code and math Magpie rollouts
 as well, see data/README.md). ``--bf16`` trains in mixed precision (the drafter's matmuls in
 bfloat16; soft labels and weights float32), 1.4x (DFly) to 1.6x (MTP) faster steps on this AMX CPU.
+``--weight-decay W`` sets AdamW's decoupled weight decay (default 0).
 ``--resume`` continues stage 1 from its last Trainer checkpoint (``out/checkpoints-lk``) after an
 interruption; pass the same ``--from``/``--grow`` so that the model has the checkpoint's shape.
 One torch thread, so that a second run can use the other core.
@@ -110,7 +111,8 @@ rollouts = read_rollouts()
 print("stage 1 data:", len(corpus), "code chunks,", len(math_rows), "math corpus rows,", len(rollouts), "rollouts", flush=True)
 recipe = Recipe(name=name, lk_steps=lk_steps, tv_steps=0, batch_size=4, num_anchors=24, logging_steps=10,
                 learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"),
-                seed=int(option("--seed", 0)), bf16="--bf16" in sys.argv)
+                seed=int(option("--seed", 0)), bf16="--bf16" in sys.argv,
+                weight_decay=float(option("--weight-decay", 0.0)))
 grow = int(option("--grow")) if option("--grow") else None
 drafter = continued_drafter(option("--from"), recipe, grow) if option("--from") else None
 drafter = train_drafter(target, corpus + math_rows + rollouts * 2, out, recipe, pad_token_id=tokenizer.eos_token_id,

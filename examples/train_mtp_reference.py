@@ -29,6 +29,9 @@ LK learning rate (TV: a third of it), `--cache DIR` keeps the target's states pe
 `--seed N` sets the order of rows, `--grow N` (with `--from`) first stacks plain decoder layers on
 the drafter up to N, each starting as the identity (`grow_mtp_layers`). `--bf16` trains in mixed precision (the drafter's matmuls in bfloat16; soft labels
 and weights float32), 1.4x (DFly) to 1.6x (MTP) faster steps on this AMX CPU.
+`--target-layers 1,8,14,20,27` reads those target layers instead of the default three; with `--from`
+the drafter's fusion is rewired to them first (`rewire_mtp_target_layers`). `--weight-decay W` sets
+AdamW's decoupled weight decay (default 0).
 `--chat-repeat N` (default 3) repeats the chat rollouts N times in both stages. `--chat-rollouts DIR`
 (repeatable) reads the chat rollouts of these folders instead of `data/rollouts/SmolLM2-135M-Instruct-chat`
 (for example with steered Magpie chat rollouts as well, see data/README.md). The TV stage re-reads
@@ -72,7 +75,9 @@ corpus = rollout_sequences(sorted(Path(option("--corpus")).glob("*.jsonl")), seq
 print("corpus rows:", len(corpus), flush=True)
 recipe = Recipe(name=name, num_draft_tokens=3, draft_vocab_size=8192, lk_steps=lk_steps, tv_steps=0,
                 batch_size=4, logging_steps=10, learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"),
-                seed=int(option("--seed", 0)), bf16="--bf16" in sys.argv)
+                seed=int(option("--seed", 0)), bf16="--bf16" in sys.argv,
+                weight_decay=float(option("--weight-decay", 0.0)),
+                target_layer_ids=[int(i) for i in option("--target-layers").split(",")] if option("--target-layers") else None)
 grow = int(option("--grow")) if option("--grow") else None
 drafter = continued_drafter(option("--from"), recipe, grow) if option("--from") else None
 resume = "--resume" in sys.argv

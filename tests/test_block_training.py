@@ -251,3 +251,44 @@ def test_train_command_continues_and_grows_a_drafter(targets, monkeypatch, tmp_p
         train("--recipe", "dflash-code", "--from", str(saved))
     with pytest.raises(SystemExit, match="--from"):
         train("--recipe", "dfly-code", "--grow-layers", "4")
+
+
+def test_train_command_rewires_an_mtp_drafter_to_other_target_layers(targets, monkeypatch, tmp_path):
+    """`train --from DIR --target-layers ...` rewires an MTP drafter's fusion (recorded in the recipe,
+    with --weight-decay); a block drafter is refused with the fix; a malformed list is an argparse error;
+    the feature cache the rollouts and corpus commands fill keeps the layers given."""
+    from types import SimpleNamespace
+
+    from angelspec_hf import MTPDrafter, cli
+    from angelspec_hf.errors import DrafterConfigError
+    from angelspec_hf.training import recipes
+
+    seen = []
+    monkeypatch.setattr(cli, "load_target", lambda name: (object(), SimpleNamespace(eos_token_id=0)))
+    monkeypatch.setattr(recipes, "train_drafter",
+                        lambda target, rows, output, recipe, **kwargs: seen.append((recipe, kwargs["drafter"])))
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text(json.dumps({"prompt_ids": list(range(3, 9)), "response_ids": list(range(9, 60))}) + "\n")
+    target = targets.target("llama")
+    MTPDrafter.from_target(target).save_pretrained(tmp_path / "mtp")
+    targets.fitted("llama", "dfly-hybrid-corr").save_pretrained(tmp_path / "dfly")
+
+    def train(*flags):
+        args = cli.build_parser().parse_args(["train", "--data", str(rollouts), "--corpus-tokens", "0", "--eval-per-set",
+                                              "0", "--output", str(tmp_path / "out"), *flags])
+        return args.handler(args)
+
+    assert train("--recipe", "mtp-chat", "--from", str(tmp_path / "mtp"), "--target-layers", "0,1,2,3",
+                 "--weight-decay", "0.05") == 0
+    recipe, drafter = seen[-1]
+    assert recipe.target_layer_ids == drafter.config.target_layer_ids == [0, 1, 2, 3]
+    assert drafter.fc.in_features == 4 * drafter.config.hidden_size and recipe.weight_decay == 0.05
+    assert recipes.training_arguments(recipe, tmp_path / "args", 10, 1e-3).weight_decay == 0.05
+    with pytest.raises(DrafterConfigError, match="per-layer conditioning"):
+        train("--recipe", "dfly-code", "--from", str(tmp_path / "dfly"), "--target-layers", "0,1")
+    with pytest.raises(SystemExit):
+        train("--recipe", "mtp-chat", "--target-layers", "1,x")
+    caches = cli.recipe_feature_caches(target, str(tmp_path / "cache"), ["mtp-chat", "dfly-code"], [0, 2])
+    assert [cache.layer_ids for cache in caches.values()] == [[0, 2], [0, 2]]
+    assert cli.recipe_feature_caches(target, str(tmp_path / "cache"), ["mtp-chat"])["mtp-chat"].layer_ids == \
+        MTPDrafter.from_target(target).config.target_layer_ids

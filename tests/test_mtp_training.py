@@ -9,7 +9,7 @@ from transformers import AutoModel, GenerationConfig
 from angelspec_hf import MTPDrafter
 from angelspec_hf.modeling_angelspec_mtp import MTPCandidateGenerator
 from angelspec_hf.errors import DrafterConfigError
-from angelspec_hf.training.mtp import chain_loss, grow_mtp_layers
+from angelspec_hf.training.mtp import chain_loss, grow_mtp_layers, rewire_mtp_target_layers
 from angelspec_hf.training.recipes import Recipe, train_drafter
 from conftest import PROMPT_LENGTH
 
@@ -78,6 +78,38 @@ def test_grown_drafter_drafts_what_it_drafted_and_its_new_layers_learn(targets, 
         grow_mtp_layers(two, 2)
     with pytest.raises(DrafterConfigError, match="deepseek-style"):
         grow_mtp_layers(MTPDrafter.from_target(target, layer_style="deepseek"), 2)
+
+
+def test_rewired_drafter_keeps_what_it_drafted_and_its_new_layers_learn(targets):
+    """Rewired to a superset of its target layers, a drafter drafts exactly as before (the new
+    layers' fusion columns start at zero and get gradient); a layer moved by one keeps its
+    columns; repeated layers and a deepseek-style drafter are refused."""
+    target = targets.target("llama")
+    sequences = targets.sequences("llama")[:2]
+    torch.manual_seed(4)
+    drafter = MTPDrafter.from_target(target, num_draft_tokens=3, draft_token_ids=torch.unique(sequences)).eval()
+    sharpen_attention(drafter)
+    old = drafter.config.target_layer_ids
+    unused = [i for i in range(target.config.num_hidden_layers) if i not in old]
+    wider = rewire_mtp_target_layers(drafter, sorted([*old, *unused[:2]]))
+    assert wider.config.target_layer_ids == sorted([*old, *unused[:2]]) and not wider.training
+    with torch.no_grad():
+        before, after = run_chain(target, drafter, sequences), run_chain(target, wider, sequences)
+    assert torch.equal(before.draft_tokens, after.draft_tokens)
+    torch.testing.assert_close(before.alpha, after.alpha)
+    run_chain(target, wider.train(), sequences).loss.backward()
+    size = drafter.config.hidden_size
+    for layer in unused[:2]:
+        index = wider.config.target_layer_ids.index(layer)
+        assert wider.fc.weight.grad[:, index * size:(index + 1) * size].abs().sum() > 0
+    moved_from = old[-1]
+    moved_to = moved_from + 1 if moved_from + 1 < target.config.num_hidden_layers else moved_from - 1
+    moved = rewire_mtp_target_layers(drafter, [*old[:-1], moved_to])
+    assert torch.equal(moved.fc.weight, drafter.fc.weight)
+    with pytest.raises(ValueError, match="repeats"):
+        rewire_mtp_target_layers(drafter, [old[0], old[0]])
+    with pytest.raises(DrafterConfigError, match="deepseek-style"):
+        rewire_mtp_target_layers(MTPDrafter.from_target(target, layer_style="deepseek"), old)
 
 
 def test_packed_documents_do_not_see_each_other(targets):

@@ -31,3 +31,19 @@ def test_shipped_drafter_is_complete_and_current(directory):
 
     model = AutoModel.from_pretrained(directory)
     assert model.config.target_embedding_fingerprint
+
+
+@pytest.mark.parametrize("directory", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_training_recipe_describes_the_shipped_model(directory):
+    """The recorded recipe is what a reader reproduces the drafter from: its depth and draft sizes
+    must be the weights' (the MTP drafter's once said two layers for a one-layer model)."""
+    config = json.loads((directory / "config.json").read_text())
+    recipe = json.loads((directory / "training_recipe.json").read_text())
+    assert recipe["num_hidden_layers"] == config["num_hidden_layers"]
+    if recipe.get("target_layer_ids") is not None:
+        assert recipe["target_layer_ids"] == config["target_layer_ids"]
+    if config["model_type"] == "angelspec_mtp":
+        assert recipe["num_draft_tokens"] == config["num_draft_tokens"]
+        assert recipe["draft_vocab_size"] == config["draft_vocab_size"]
+    else:
+        assert recipe["block_size"] == config["block_size"]

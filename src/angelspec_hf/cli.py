@@ -216,7 +216,7 @@ def run_rollouts(args: argparse.Namespace) -> int:
                          "they would be computed in that dtype and never read. Drop --feature-cache (training "
                          "computes the states once, in float32, with `train --feature-cache`) or decode in float32.")
     target, tokenizer = load_target(args.target, args.dtype)
-    caches = list(recipe_feature_caches(target, args.feature_cache, args.recipe).values()) if args.feature_cache else []
+    caches = list(recipe_feature_caches(target, args.feature_cache, args.recipe, args.target_layers).values()) if args.feature_cache else []
     options = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "feature_caches": caches,
                "seq_len": args.rollout_length}
     if args.magpie:
@@ -262,7 +262,8 @@ def run_train(args: argparse.Namespace) -> int:
                     num_draft_tokens=args.draft_tokens, draft_vocab_size=args.draft_vocab_size,
                     lk_steps=args.lk_steps, tv_steps=args.tv_steps, batch_size=args.batch_size,
                     num_anchors=args.anchors, learning_rate=args.learning_rate, seed=args.seed,
-                    feature_cache=args.feature_cache, bf16=args.bf16)
+                    feature_cache=args.feature_cache, bf16=args.bf16, target_layer_ids=args.target_layers,
+                    weight_decay=args.weight_decay)
     drafter = continued_drafter(args.from_drafter, recipe, args.grow_layers) if args.from_drafter else None
     finish = (rollouts + corpus[: len(rollouts) // 2]) if rollouts else None
     train_drafter(target, corpus + rollouts * 2, args.output, recipe, pad_token_id=tokenizer.eos_token_id,
@@ -284,13 +285,24 @@ def jsonl_files(paths: list[str]) -> list[Path]:
     return files
 
 
-def recipe_feature_caches(target, directory: str, recipes: list[str]) -> dict:
-    """Recipe name -> a `FeatureCache` keeping the target layers that recipe's drafter reads (once per name)."""
+def recipe_feature_caches(target, directory: str, recipes: list[str], target_layer_ids: list[int] | None = None) -> dict:
+    """Recipe name -> a `FeatureCache` keeping the target layers that recipe's drafter reads (once per
+    name): ``target_layer_ids`` when given (`--target-layers`), else the recipe's defaults."""
     from .training.features import FeatureCache
     from .training.recipes import Recipe, new_drafter
 
-    return {name: FeatureCache(directory, target, new_drafter(target, Recipe(name=name)).config.target_layer_ids)
-            for name in recipes}
+    def layers(name: str) -> list[int]:
+        return new_drafter(target, Recipe(name=name, target_layer_ids=target_layer_ids)).config.target_layer_ids
+
+    return {name: FeatureCache(directory, target, layers(name)) for name in recipes}
+
+
+def layer_list(text: str) -> list[int]:
+    """``"1,8,14"`` -> ``[1, 8, 14]`` (argparse type of `--target-layers`)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as 1,8,14,20,27, got {text!r}")
 
 
 def run_corpus(args: argparse.Namespace) -> int:
@@ -310,7 +322,7 @@ def run_corpus(args: argparse.Namespace) -> int:
         print(f"{source}: {len(rows)} rows, {tokens} trained tokens -> {out}")
         written.append(out)
     if args.feature_cache:
-        for name, cache in recipe_feature_caches(target, args.feature_cache, args.recipe).items():
+        for name, cache in recipe_feature_caches(target, args.feature_cache, args.recipe, args.target_layers).items():
             speed = fill_feature_cache(target, cache, rollout_sequences(written, seq_len=args.rollout_length),
                                        args.batch_size)
             print(f"target states of {speed['tokens']} tokens for recipe {name} in {speed['seconds']:.0f} s "
@@ -489,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "for `train --feature-cache`")
     rollouts.add_argument("--recipe", nargs="+", choices=sorted(RECIPES), default=["dfly-code"],
                           help="the recipes whose drafter layers the feature cache keeps")
+    rollouts.add_argument("--target-layers", type=layer_list, default=None,
+                          help="the layers the feature cache keeps instead of the recipes' defaults (as `train --target-layers`)")
     rollouts.add_argument("--rollout-length", type=int, default=448, help="as `train --rollout-length`")
     rollouts.set_defaults(handler=run_rollouts)
 
@@ -508,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run the target over the rows now and keep its states there for `train --feature-cache`")
     corpus.add_argument("--recipe", nargs="+", choices=sorted(RECIPES), default=["dfly-code"],
                         help="the recipes whose drafter layers the feature cache keeps (one pass over the rows each)")
+    corpus.add_argument("--target-layers", type=layer_list, default=None,
+                        help="the layers the feature cache keeps instead of the recipes' defaults (as `train --target-layers`)")
     corpus.add_argument("--rollout-length", type=int, default=448, help="as `train --rollout-length`")
     corpus.add_argument("--batch-size", type=int, default=8)
     corpus.set_defaults(handler=run_corpus)
@@ -532,6 +548,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=defaults.batch_size)
     train.add_argument("--anchors", type=int, default=defaults.num_anchors)
     train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    train.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
+                       help="AdamW's decoupled weight decay (default 0)")
+    train.add_argument("--target-layers", type=layer_list, default=None,
+                       help="comma-separated target decoder layers the drafter reads, e.g. 1,8,14,20,27 (default: the "
+                            "recipe's: 3 spread layers for MTP, 5 for block drafters); with --from, an MTP drafter's "
+                            "fusion is rewired to them (each old layer's weights to the nearest new layer, new ones "
+                            "start at zero), a block drafter is refused")
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--resume", action="store_true", help="continue from the last Trainer checkpoint")
     train.add_argument("--from", dest="from_drafter", default=None,

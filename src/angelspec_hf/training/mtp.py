@@ -180,3 +180,48 @@ def grow_mtp_layers(drafter, num_hidden_layers: int):
         state[f"layers.{index}.mlp.down_proj.weight"] = torch.zeros_like(template["mlp.down_proj.weight"])
     grown.load_state_dict(state, strict=True)
     return grown.train(drafter.training)
+
+
+def rewire_mtp_target_layers(drafter, target_layer_ids: list[int]):
+    """A copy of a trained EAGLE-3-style MTP drafter that reads other target layers, starting from
+    what it has learnt instead of from scratch.
+
+    Only ``fc``, which fuses the concatenated target layers, changes shape. Each old layer's
+    columns go to the new layer nearest to it (`nearest_layer_slots`): the residual stream changes
+    little from one layer to the next, so a layer moved by one or two is still the input the fusion
+    was trained on; new layers start with zero columns. A drafter whose layers all stay therefore
+    drafts exactly as before until training moves the new columns. A deepseek-style drafter, which
+    reads only the target's last layer, is refused by its config.
+    """
+    from ..modeling_angelspec_mtp import MTPDrafter
+
+    if not isinstance(drafter, MTPDrafter):
+        raise TypeError(f"this rewires MTP drafters; got {type(drafter).__name__}.")
+    new_ids = [int(i) for i in target_layer_ids]
+    if len(set(new_ids)) != len(new_ids):
+        raise ValueError(f"target_layer_ids repeats a layer: {new_ids}.")
+    config = type(drafter.config).from_dict({**drafter.config.to_dict(), "target_layer_ids": new_ids})
+    rewired = MTPDrafter(config).to(device=drafter.device, dtype=drafter.dtype)
+    state = drafter.state_dict()
+    size = drafter.config.hidden_size
+    old_fc = state["fc.weight"]
+    fc = old_fc.new_zeros(size, len(new_ids) * size)
+    for old_index, new_index in enumerate(nearest_layer_slots(drafter.config.target_layer_ids, new_ids)):
+        fc[:, new_index * size:(new_index + 1) * size] += old_fc[:, old_index * size:(old_index + 1) * size]
+    state["fc.weight"] = fc
+    rewired.load_state_dict(state, strict=True)
+    return rewired.train(drafter.training)
+
+
+def nearest_layer_slots(old_ids: list[int], new_ids: list[int]) -> list[int]:
+    """For each old layer, the index in ``new_ids`` that takes its fusion columns: the same layer
+    when it stays, else the nearest new layer no old layer has taken yet (the nearest of all once
+    every new layer is taken), the lower on a tie. Taken slots are avoided so that two old layers
+    are not summed into one while a new layer next to one of them starts empty."""
+    slots = {index: new_ids.index(layer) for index, layer in enumerate(old_ids) if layer in new_ids}
+    for index, layer in enumerate(old_ids):
+        if index in slots:
+            continue
+        free = [i for i in range(len(new_ids)) if i not in slots.values()] or list(range(len(new_ids)))
+        slots[index] = min(free, key=lambda i: (abs(new_ids[i] - layer), new_ids[i]))
+    return [slots[index] for index in range(len(old_ids))]

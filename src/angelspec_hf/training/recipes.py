@@ -21,7 +21,7 @@ from ..errors import DrafterConfigError
 from ..modeling_angelspec_dfly import DFlyDrafter
 from ..modeling_angelspec_mtp import MTPDrafter
 from .block import grow_layers
-from .mtp import grow_mtp_layers
+from .mtp import grow_mtp_layers, rewire_mtp_target_layers
 from .trainer import DrafterTrainer, SequenceCollator
 
 logger = logging.getLogger(__name__)
@@ -48,13 +48,15 @@ class Recipe:
     """One training run. ``block_size`` applies to block drafters, ``num_draft_tokens`` (also the
     TTT depth) to MTP drafters, ``num_hidden_layers`` (``None``: 2 for block drafters, 1 for MTP)
     and ``draft_vocab_size`` to both (MTP learns its own reduced head; DFly drafts with those rows
-    of the target's head)."""
+    of the target's head). ``target_layer_ids`` (``None``: the family's default) are the target
+    decoder layers the drafter reads; ``weight_decay`` is AdamW's decoupled decay."""
 
     name: str = "dfly-code"
     block_size: int = 8
     num_hidden_layers: int | None = None
     num_draft_tokens: int = 3
     draft_vocab_size: int | None = None
+    target_layer_ids: list[int] | None = None
     lk_steps: int = 400
     tv_steps: int = 100
     batch_size: int = 4
@@ -62,6 +64,7 @@ class Recipe:
     num_anchors: int = 24
     learning_rate: float = 1e-3
     warmup_steps: int = 20
+    weight_decay: float = 0.0
     eta: float = 3.0
     seed: int = 0
     logging_steps: int = 10
@@ -81,7 +84,7 @@ def training_arguments(recipe: Recipe, output_dir: Path, steps: int, learning_ra
         learning_rate=learning_rate,
         warmup_steps=min(recipe.warmup_steps, max(steps // 10, 1)),
         lr_scheduler_type="cosine",
-        weight_decay=0.0,
+        weight_decay=recipe.weight_decay,
         max_grad_norm=1.0,
         logging_steps=recipe.logging_steps,
         save_strategy="steps",
@@ -104,6 +107,8 @@ def new_drafter(target, recipe: Recipe, token_counts: torch.Tensor | None = None
     family, overrides, _ = RECIPES[recipe.name]
     if recipe.num_hidden_layers is None:
         recipe.num_hidden_layers = DEFAULT_LAYERS[family]
+    if recipe.target_layer_ids is not None:
+        overrides = {**overrides, "target_layer_ids": list(recipe.target_layer_ids)}
     ids = None
     if recipe.draft_vocab_size is not None and token_counts is not None:
         ids = frequent_token_ids(token_counts, recipe.draft_vocab_size)
@@ -121,8 +126,11 @@ def continued_drafter(path: str | os.PathLike, recipe: Recipe, grow_to: int | No
     """A trained drafter from ``path`` to continue with ``recipe``, in float32 for training.
 
     ``grow_to`` appends layers that start as the identity (`grow_layers` for block drafters,
-    `grow_mtp_layers` for MTP ones), so a trained drafter gains capacity without starting over. A drafter of another family or variant
-    than the recipe trains is refused: its switches, not the recipe's, would be trained.
+    `grow_mtp_layers` for MTP ones), so a trained drafter gains capacity without starting over.
+    The recipe's ``target_layer_ids``, when they differ from the drafter's, rewire an MTP drafter's
+    fusion (`rewire_mtp_target_layers`); a block drafter's per-layer conditioning cannot be carried
+    over and is refused. A drafter of another family or variant than the recipe trains is refused:
+    its switches, not the recipe's, would be trained.
     """
     from transformers import AutoModel
 
@@ -135,9 +143,18 @@ def continued_drafter(path: str | os.PathLike, recipe: Recipe, grow_to: int | No
         raise DrafterConfigError(
             f"{path} holds a {type(drafter).__name__} ({differing or 'another family'}) that recipe {recipe.name!r} "
             f"does not train ({expected.__name__} with {overrides}); continue it with the recipe it was trained with.")
+    wanted = recipe.target_layer_ids
+    if wanted is not None and list(wanted) != list(drafter.config.target_layer_ids):
+        if family == "dfly":
+            raise DrafterConfigError(
+                f"{path} reads target layers {drafter.config.target_layer_ids}, not {list(wanted)}: a block drafter's "
+                "per-layer conditioning cannot be moved to other layers. Fix: continue it on its own layers (drop the "
+                "target layers option), or train a new drafter on the new ones (drop --from).")
+        drafter = rewire_mtp_target_layers(drafter, wanted)
     if grow_to is not None:
         drafter = (grow_layers if family == "dfly" else grow_mtp_layers)(drafter, grow_to)
     recipe.num_hidden_layers = drafter.config.num_hidden_layers
+    recipe.target_layer_ids = list(drafter.config.target_layer_ids)
     return drafter
 
 
