@@ -218,13 +218,12 @@ def test_grow_layers_refuses_fewer_layers_and_other_drafters(targets):
         grow_layers(MTPDrafter.from_target(target), 3)
 
 
-def test_train_command_continues_and_grows_a_drafter(targets, monkeypatch, tmp_path):
-    """`train --from DIR --grow-layers N` trains the saved drafter grown to N layers (recorded in the
-    recipe); a drafter of another variant than the recipe, or growing without --from, is refused."""
+def stubbed_train_command(monkeypatch, tmp_path):
+    """``train(*flags)`` running `angelspec-hf train` on one rollout row with the target and the
+    training itself stubbed out, and the ``(recipe, drafter)`` pairs it would have trained."""
     from types import SimpleNamespace
 
     from angelspec_hf import cli
-    from angelspec_hf.errors import DrafterConfigError
     from angelspec_hf.training import recipes
 
     seen = []
@@ -233,13 +232,23 @@ def test_train_command_continues_and_grows_a_drafter(targets, monkeypatch, tmp_p
                         lambda target, rows, output, recipe, **kwargs: seen.append((recipe, kwargs["drafter"])))
     rollouts = tmp_path / "rollouts.jsonl"
     rollouts.write_text(json.dumps({"prompt_ids": list(range(3, 9)), "response_ids": list(range(9, 60))}) + "\n")
-    saved = tmp_path / "dfly"
-    targets.fitted("llama", "dfly-hybrid-corr").save_pretrained(saved)
 
     def train(*flags):
         args = cli.build_parser().parse_args(["train", "--data", str(rollouts), "--corpus-tokens", "0", "--eval-per-set",
                                               "0", "--output", str(tmp_path / "out"), *flags])
         return args.handler(args)
+
+    return train, seen
+
+
+def test_train_command_continues_and_grows_a_drafter(targets, monkeypatch, tmp_path):
+    """`train --from DIR --grow-layers N` trains the saved drafter grown to N layers (recorded in the
+    recipe); a drafter of another variant than the recipe, or growing without --from, is refused."""
+    from angelspec_hf.errors import DrafterConfigError
+
+    train, seen = stubbed_train_command(monkeypatch, tmp_path)
+    saved = tmp_path / "dfly"
+    targets.fitted("llama", "dfly-hybrid-corr").save_pretrained(saved)
 
     assert train("--recipe", "dfly-code", "--from", str(saved), "--grow-layers", "4") == 0
     recipe, drafter = seen[-1]
@@ -257,26 +266,14 @@ def test_train_command_rewires_an_mtp_drafter_to_other_target_layers(targets, mo
     """`train --from DIR --target-layers ...` rewires an MTP drafter's fusion (recorded in the recipe,
     with --weight-decay); a block drafter is refused with the fix; a malformed list is an argparse error;
     the feature cache the rollouts and corpus commands fill keeps the layers given."""
-    from types import SimpleNamespace
-
     from angelspec_hf import MTPDrafter, cli
     from angelspec_hf.errors import DrafterConfigError
     from angelspec_hf.training import recipes
 
-    seen = []
-    monkeypatch.setattr(cli, "load_target", lambda name: (object(), SimpleNamespace(eos_token_id=0)))
-    monkeypatch.setattr(recipes, "train_drafter",
-                        lambda target, rows, output, recipe, **kwargs: seen.append((recipe, kwargs["drafter"])))
-    rollouts = tmp_path / "rollouts.jsonl"
-    rollouts.write_text(json.dumps({"prompt_ids": list(range(3, 9)), "response_ids": list(range(9, 60))}) + "\n")
+    train, seen = stubbed_train_command(monkeypatch, tmp_path)
     target = targets.target("llama")
     MTPDrafter.from_target(target).save_pretrained(tmp_path / "mtp")
     targets.fitted("llama", "dfly-hybrid-corr").save_pretrained(tmp_path / "dfly")
-
-    def train(*flags):
-        args = cli.build_parser().parse_args(["train", "--data", str(rollouts), "--corpus-tokens", "0", "--eval-per-set",
-                                              "0", "--output", str(tmp_path / "out"), *flags])
-        return args.handler(args)
 
     assert train("--recipe", "mtp-chat", "--from", str(tmp_path / "mtp"), "--target-layers", "0,1,2,3",
                  "--weight-decay", "0.05") == 0
