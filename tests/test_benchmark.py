@@ -1,7 +1,11 @@
 """The benchmark's bookkeeping on a tiny target: every method runs, is compared, and is reported."""
 
+import copy
 import json
 import statistics
+
+import pytest
+import torch
 
 from angelspec_hf.benchmark import (
     AR,
@@ -141,3 +145,30 @@ def test_repeated_engine_runs_report_median_drafting_steps_and_every_chosen_draf
     assert row["drafting_steps"] == 6 and row["drafters_chosen"] == ["dfly", "mtp", "none"]
     plain = _median_run([run(9, None, None), run(11, None, None)])
     assert plain["drafting_steps"] is None and plain["drafters_chosen"] is None
+
+
+@pytest.mark.parametrize("bf16_ms,expected", [(120.0, "float32"), (80.0, "bfloat16"), (100.0, "bfloat16")])
+def test_bench_picks_the_dtype_this_hardware_verifies_faster(targets, monkeypatch, bf16_ms, expected):
+    """`bench --dtype auto` reads both dtypes' batch-1 cost profiles (bfloat16 with exact kernels)
+    and verifies in the faster one: on an AVX2-only CPU bfloat16 verification took 2.3x float32's."""
+    from types import SimpleNamespace
+
+    from angelspec_hf import cli, generation
+    from angelspec_hf.generation.exact import is_verification_exact
+
+    def load(name, dtype="float32"):
+        return copy.deepcopy(targets.target("llama")).to(getattr(torch, dtype))
+
+    profiled = []
+
+    def profile(target, name, batch_sizes):
+        profiled.append((target.dtype, is_verification_exact(target), batch_sizes))
+        ms = 100.0 if target.dtype == torch.float32 else bf16_ms
+        return SimpleNamespace(verify_seconds=lambda tokens, context: ms / 1000 if (tokens, context) == (9, 256) else None)
+
+    monkeypatch.setattr(cli, "load_target_model", load)
+    monkeypatch.setattr(generation, "load_or_profile", profile)
+    dtype, verify_ms = cli.faster_verification_dtype("tiny", "tiny", threads=1)
+    assert dtype == expected and verify_ms == pytest.approx({"float32": 100.0, "bfloat16": bf16_ms})
+    assert profiled == [(torch.float32, False, (1,)), (torch.bfloat16, True, (1,))]
+    assert cli.build_parser().parse_args(["bench"]).dtype == "auto"

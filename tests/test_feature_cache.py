@@ -75,3 +75,33 @@ def test_training_with_a_cache_runs_the_target_once_per_row(targets, tmp_path):
     finally:
         hook.remove()
     assert len(forwards) == 2 and isinstance(drafter, MTPDrafter)
+
+
+def test_a_cache_of_more_layers_serves_a_drafter_reading_fewer(targets, tmp_path):
+    """States of layers [0, 2] are read, sliced, from a cache of [0, 1, 2] of the same target
+    without running it; a cache of other layers or of another target is not read."""
+    target = targets.target("llama")
+    ids, mask, lengths = padded_batch(targets.sequences("llama"), [30, 46])
+    FeatureCache(tmp_path, target, [0, 1, 2]).states(target, ids, mask, lengths, torch.float32)
+    subset = FeatureCache(tmp_path, target, [2, 0])
+    calls = []
+    hook = target.base_model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        features, final = subset.states(target, ids, mask, lengths, torch.float32)
+    finally:
+        hook.remove()
+    assert not calls and (subset.hits, subset.misses) == (2, 0)
+    assert not list(subset.directory.rglob("*.safetensors"))  # read in place, not copied
+    fresh_features, fresh_final = run_target(target, ids, mask, [2, 0])
+    for i, length in enumerate(lengths.tolist()):
+        for cached, fresh in zip([*features, final], [*fresh_features, fresh_final]):
+            torch.testing.assert_close(cached[i, :length], fresh[i, :length], atol=2e-3, rtol=2e-3)
+    other_layers = FeatureCache(tmp_path, target, [0, 3])
+    other_layers.states(target, ids, mask, lengths, torch.float32)
+    assert other_layers.misses == 2
+    other_target = targets.target("qwen3")
+    other_ids, other_mask, other_lengths = padded_batch(targets.sequences("qwen3"), [30])
+    elsewhere = FeatureCache(tmp_path, other_target, [0, 2])
+    assert not elsewhere.supersets
+    elsewhere.states(other_target, other_ids, other_mask, other_lengths, torch.float32)
+    assert elsewhere.misses == 1

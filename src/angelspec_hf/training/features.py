@@ -32,17 +32,29 @@ STORE_DTYPE = torch.float16
 FLOAT16_LIMIT = 60000.0
 
 
-def target_key(target, layer_ids: list[int]) -> str:
-    """A short name for (target, dtype, layers): the cache's subdirectory."""
+def target_identity(target) -> dict:
+    """What makes two models' states interchangeable: name, depth, dtype and embedding fingerprint."""
     text = target.config.get_text_config()
-    identity = {
+    return {
         "target": target_name(target), "layers": text.num_hidden_layers, "dtype": str(target.dtype),
         "fingerprint": [round(x, 4) for x in embedding_fingerprint(target.get_input_embeddings().weight)],
-        "read_layers": list(layer_ids),
     }
-    digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def digest(identity: dict) -> str:
+    return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def target_key(target, layer_ids: list[int]) -> str:
+    """A short name for (target, dtype, layers): the cache's subdirectory."""
+    identity = {**target_identity(target), "read_layers": list(layer_ids)}
     name = (identity["target"] or type(target).__name__).replace("/", "--")
-    return f"{name}-{digest}"
+    return f"{name}-{digest(identity)}"
+
+
+# Written into each cache directory, so that a drafter reading fewer layers finds the caches of
+# the same target that hold them (directory names are digests).
+LAYERS_FILE = "layers.json"
 
 
 def row_key(token_ids: torch.Tensor) -> str:
@@ -51,33 +63,63 @@ def row_key(token_ids: torch.Tensor) -> str:
 
 class FeatureCache:
     """Per-row target states (``features``: the drafter's input layers, ``final``: the normed last
-    hidden state) under ``directory/<target key>/``."""
+    hidden state) under ``directory/<target key>/``.
+
+    A row missing here is also looked up in the caches of the same target that hold more layers
+    (a five-layer DFly cache serves a drafter reading three of them), and read from there sliced;
+    new rows are stored here only.
+    """
 
     def __init__(self, directory: str | os.PathLike, target, layer_ids: list[int]):
         self.layer_ids = list(layer_ids)
         self.directory = Path(directory) / target_key(target, self.layer_ids)
         self.directory.mkdir(parents=True, exist_ok=True)
+        target_digest = digest(target_identity(target))
+        layers_file = self.directory / LAYERS_FILE
+        if not layers_file.exists():
+            layers_file.write_text(json.dumps({"target": target_digest, "read_layers": self.layer_ids}))
+        self.supersets = [(source, index) for source, index in self._caches_holding(target_digest)
+                          if source != self.directory]
         self.hits = self.misses = 0
 
-    def _path(self, token_ids: torch.Tensor) -> Path:
+    def _caches_holding(self, target_digest: str) -> list[tuple[Path, list[int]]]:
+        """``(directory, positions of this cache's layers in its layer list)`` of every cache of
+        this target whose layers include all of this cache's."""
+        found = []
+        for layers_file in sorted(self.directory.parent.glob(f"*/{LAYERS_FILE}")):
+            try:
+                info = json.loads(layers_file.read_text())
+                held = [int(i) for i in info["read_layers"]]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if info.get("target") == target_digest and set(self.layer_ids) <= set(held):
+                found.append((layers_file.parent, [held.index(i) for i in self.layer_ids]))
+        return found
+
+    def _path(self, token_ids: torch.Tensor, directory: Path | None = None) -> Path:
         key = row_key(token_ids)
-        return self.directory / key[:2] / f"{key}.safetensors"
+        return (directory or self.directory) / key[:2] / f"{key}.safetensors"
 
     def load(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(features (layers, n, H), final (n, H))`` of one row's real tokens, or None."""
-        path = self._path(token_ids)
-        if not path.exists():
-            return None
+        for directory, index in [(self.directory, None), *self.supersets]:
+            path = self._path(token_ids, directory)
+            if path.exists():
+                return self._read(path, token_ids.numel(), index)
+        return None
+
+    def _read(self, path: Path, length: int, index: list[int] | None):
         try:
             stored = load_file(path)
             features, final = stored["features"], stored["final"]
         except (SafetensorError, KeyError, OSError) as exc:
             logger.warning("Unreadable cached target states %s (%s); recomputing them.", path, exc)
             return None
-        if features.shape[1] != token_ids.numel() or features.shape[0] != len(self.layer_ids):
+        layers = len(self.layer_ids) if index is None else max(index) + 1
+        if features.shape[1] != length or features.shape[0] < layers or (index is None and features.shape[0] != layers):
             logger.warning("Cached target states %s have the wrong shape %s; recomputing them.", path, tuple(features.shape))
             return None
-        return features, final
+        return (features if index is None else features[index]), final
 
     def store(self, token_ids: torch.Tensor, features: torch.Tensor, final: torch.Tensor) -> None:
         path = self._path(token_ids)
