@@ -597,7 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "capacity")
     train.add_argument("--bf16", action="store_true",
                        help="mixed precision: the drafter's matmuls in bfloat16 (GPUs, and CPUs with AMX: 1.4-1.6x faster "
-                            "steps measured); weights, losses and the target's soft labels stay float32")
+                            "steps measured; on AVX2-only CPUs about 10x slower, with a warning); weights, losses and "
+                            "the target's soft labels stay float32")
     train.add_argument("--feature-cache", default=None,
                        help="directory that keeps the target's states per training row, so each row runs through "
                             "the target once across epochs, stages and runs (float16: (layers read + 1) x hidden size x 2 bytes "
