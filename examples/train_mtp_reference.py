@@ -16,6 +16,10 @@ weights of commit 294d445) with the steered chat rollouts added into the shipped
 held-out MT-Bench chat tau 1.349 -> 1.387). Not shipped (README, "Trained drafters"): the same
 continuation with the 1400 steered rollouts of 2026-12-03 (`modeling-runs/mtp8 700 100 ... --seed 8
 --threads 1`, chat tau 1.391) and that run grown to two layers (`modeling-runs/mtp9 ... --grow 2`, 1.378).
+Nor, on 2026-12-03 (session 31, float32 on an AVX2-only CPU), the shipped drafter rewired to DFly's
+five target layers (`modeling-runs/mtp10 350 60 --from ... --lr 4e-4 --seed 8 --cache feature-cache
+--threads 1 --chat-repeat 2 --target-layers 1,8,14,20,27 --chat-rollouts ... --chat-rollouts ...`, 1.384)
+against the same run on three (`modeling-runs/mtp12 ... --target-layers 1,14,27`, 1.387).
 
 Both stages read every rollout in the repository: the chat rollouts (Magpie-style and MT-Bench
 training prompts) three times, the code and math rollouts once, so that the drafter sees the

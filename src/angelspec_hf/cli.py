@@ -38,8 +38,9 @@ def faster_verification_dtype(target_name: str, display_name: str, threads: int,
     (measured first where missing). Verification is what speculative decoding spends its time on.
 
     Neither dtype is faster everywhere: bfloat16 verified 8 drafts at 1.14x a plain step on a CPU with
-    bfloat16 units (avx512_bf16), while on one with AVX2 only a 9-token bfloat16 forward took 2.3x
-    float32's (565 against 245 ms, both under load), which made every drafter slower than plain decoding.
+    bfloat16 units (avx512_bf16), while on one with AVX2 only (emulated bfloat16) a 9-token bfloat16
+    forward took 303 ms against float32's 134 (one thread, nothing else running): with plain float32
+    decoding at 61 ms a token there, a drafter verified in bfloat16 needed tau above 5 to break even.
     """
     from .generation import load_or_profile, make_verification_exact
 
