@@ -53,6 +53,7 @@ import torch
 
 import angelspec_hf  # noqa: F401
 from _flags import option, options
+from angelspec_hf.cli import layer_list
 from angelspec_hf.reference import load_reference_target
 from angelspec_hf.training.data import rollout_sequences
 from angelspec_hf.training.recipes import Recipe, continued_drafter, train_drafter
@@ -81,7 +82,7 @@ recipe = Recipe(name=name, num_draft_tokens=3, draft_vocab_size=8192, lk_steps=l
                 batch_size=4, logging_steps=10, learning_rate=float(option("--lr", 1e-3)), feature_cache=option("--cache"),
                 seed=int(option("--seed", 0)), bf16="--bf16" in sys.argv,
                 weight_decay=float(option("--weight-decay", 0.0)),
-                target_layer_ids=[int(i) for i in option("--target-layers").split(",")] if option("--target-layers") else None)
+                target_layer_ids=layer_list(option("--target-layers")) if option("--target-layers") else None)
 grow = int(option("--grow")) if option("--grow") else None
 drafter = continued_drafter(option("--from"), recipe, grow) if option("--from") else None
 resume = "--resume" in sys.argv

@@ -78,13 +78,12 @@ class FeatureCache:
         layers_file = self.directory / LAYERS_FILE
         if not layers_file.exists():
             layers_file.write_text(json.dumps({"target": target_digest, "read_layers": self.layer_ids}))
-        self.supersets = [(source, index) for source, index in self._caches_holding(target_digest)
-                          if source != self.directory]
+        self.supersets = [source for source in self._caches_holding(target_digest) if source[0] != self.directory]
         self.hits = self.misses = 0
 
-    def _caches_holding(self, target_digest: str) -> list[tuple[Path, list[int]]]:
-        """``(directory, positions of this cache's layers in its layer list)`` of every cache of
-        this target whose layers include all of this cache's."""
+    def _caches_holding(self, target_digest: str) -> list[tuple[Path, int, list[int]]]:
+        """``(directory, its layer count, positions of this cache's layers in its layer list)`` of
+        every cache of this target whose layers include all of this cache's."""
         found = []
         for layers_file in sorted(self.directory.parent.glob(f"*/{LAYERS_FILE}")):
             try:
@@ -93,7 +92,7 @@ class FeatureCache:
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             if info.get("target") == target_digest and set(self.layer_ids) <= set(held):
-                found.append((layers_file.parent, [held.index(i) for i in self.layer_ids]))
+                found.append((layers_file.parent, len(held), [held.index(i) for i in self.layer_ids]))
         return found
 
     def _path(self, token_ids: torch.Tensor, directory: Path | None = None) -> Path:
@@ -102,21 +101,21 @@ class FeatureCache:
 
     def load(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(features (layers, n, H), final (n, H))`` of one row's real tokens, or None."""
-        for directory, index in [(self.directory, None), *self.supersets]:
+        for directory, layers, index in [(self.directory, len(self.layer_ids), None), *self.supersets]:
             path = self._path(token_ids, directory)
             if path.exists():
-                return self._read(path, token_ids.numel(), index)
+                return self._read(path, token_ids.numel(), layers, index)
         return None
 
-    def _read(self, path: Path, length: int, index: list[int] | None):
+    def _read(self, path: Path, length: int, layers: int, index: list[int] | None):
+        """A file's states, checked against its directory's layer count, sliced to ``index`` if given."""
         try:
             stored = load_file(path)
             features, final = stored["features"], stored["final"]
         except (SafetensorError, KeyError, OSError) as exc:
             logger.warning("Unreadable cached target states %s (%s); recomputing them.", path, exc)
             return None
-        layers = len(self.layer_ids) if index is None else max(index) + 1
-        if features.shape[1] != length or features.shape[0] < layers or (index is None and features.shape[0] != layers):
+        if features.shape[1] != length or features.shape[0] != layers:
             logger.warning("Cached target states %s have the wrong shape %s; recomputing them.", path, tuple(features.shape))
             return None
         return (features if index is None else features[index]), final
