@@ -278,8 +278,8 @@ def _serve_five_checked(setup, engine: SpeculativeEngine, forward_seconds: float
 
 
 def test_unknown_domains_are_routed_to_the_drafter_that_pays(setup):
-    """Requests settle on the fitted drafter. A request whose two probe rounds with the fitted
-    drafter were both rejected may rightly settle on no drafter."""
+    """Requests settle on the fitted drafter. A request whose two probes of the fitted drafter
+    both missed may rightly settle on no drafter."""
     engine = _fitted_against_useless(setup, max_batch_size=4)
     _serve_five_checked(setup, engine, forward_seconds=0.1)
     chosen = [entry["drafter"] for entry in engine.stats]
@@ -296,11 +296,11 @@ def test_rounds_without_drafting_do_not_count_as_probes(setup):
     assert sum(entry["probes"]["fitted"][0] for entry in engine.stats) > 2 * len(engine.stats)
 
 
-def test_a_candidate_drafter_ingests_only_when_its_arm_drafts(setup):
-    """A drafter that loses the probes never reads the rounds the other arms ran: exactly one
-    ingest per probe round of its own (before, every candidate ingested every round until the
-    request settled, which made routing cost more than the drafters it chose between); none at
-    all once the pooled evidence stops later requests from probing it."""
+def test_a_candidate_drafter_ingests_only_when_it_drafts(setup):
+    """A drafter that loses the probes reads the request's states only to draft its probes: exactly
+    one ingest per probe (before, every candidate ingested every round until the request settled,
+    which made routing cost more than the drafters it chose between); none at all once the pooled
+    evidence stops later requests from probing it."""
     engine = _fitted_against_useless(setup, max_batch_size=4)
     ingests: dict[tuple[int, str], int] = {}
     new_generator = engine._new_generator
@@ -347,28 +347,57 @@ def test_a_routed_backlog_holds_only_its_own_rows_states(setup):
 
 
 def _routed_row(engine: SpeculativeEngine, scores: dict) -> "object":
-    """A routed request on its last probe round, with these (tokens, seconds, rounds) probes."""
+    """A routed request whose probes are all scored, with these (tokens, seconds, rounds)."""
     from angelspec_hf.generation.engine import _Row
 
-    row = _Row(0, [1, 2, 3], 3, 10, routed=True, arm=next(iter(scores)))
+    row = _Row(0, [1, 2, 3], 3, 10, arm=next(iter(scores)))
     row.generators = {arm: object() for arm in engine.drafters}
     row.arm_scores = {arm: list(score) for arm, score in scores.items()}
     return row
 
 
 def test_a_request_weighs_its_probes_against_the_pooled_evidence(setup):
-    """Two rejected drafts make a good drafter look worse than no drafter; evidence pooled over
+    """Two missed drafts make a good drafter look worse than no drafter; evidence pooled over
     earlier requests (4 tokens a round against 1) keeps the request on the drafter, while the
     request's own probes alone would have settled on "no drafter"."""
     engine = _fitted_against_useless(setup, max_batch_size=4)
-    probes = {"fitted": (1, 0.04, 1), "useless": (2, 0.08, 2), "none": (2, 0.06, 2)}
+    probes = {"fitted": (2, 0.08, 2), "useless": (2, 0.08, 2), "none": (2, 0.06, 2)}
     alone = _routed_row(engine, probes)
-    engine._score(alone, 1, 0.04)
-    assert alone.arm == "none"
+    engine._settle(alone)
+    assert alone.arm == "none" and alone.generators == {} and alone.probing == []
     engine.arm_evidence.update({"fitted": [400, 4.0, 100], "useless": [20, 0.8, 10], "none": [10, 0.3, 10]})
     pooled = _routed_row(engine, probes)
-    engine._score(pooled, 1, 0.04)
+    engine._settle(pooled)
     assert pooled.arm == "fitted" and set(pooled.generators) == {"fitted"}
+
+
+def test_probes_are_scored_against_the_committed_text():
+    """A probe gains its drafts up to the first one the request did not commit, plus the target's
+    own token; it waits while the committed text is too short to tell, unless the request ended."""
+    from angelspec_hf.generation.engine import _Probe, _Row
+
+    engine = SpeculativeEngine.__new__(SpeculativeEngine)
+    engine.arm_evidence, engine.probe_rounds, engine.drafters = {}, 1, {}
+    row = _Row(0, [1, 2, 3, 7, 8, 9], 3, 10, probing=["a", "b", "c", "none"])
+    row.probes = [
+        _Probe("a", 3, [7, 8, 5], 0.01, 0.1),  # misses at its third token: 2 drafts + 1
+        _Probe("b", 3, [7, 8, 9, 4], 0.02, 0.1),  # all committed so far match: undecided
+        _Probe("c", 3, [7, 8], 0.03, 0.1),  # every draft committed: 2 + 1
+        _Probe("none", 3, [], 0.0, 0.1),
+    ]
+    row.probes_drafted = {"a": 1, "b": 1, "c": 1, "none": 1}
+    engine._score_probes(row, ended=False)
+    assert row.arm_scores == {"a": [3, pytest.approx(0.11), 1], "c": [3, pytest.approx(0.13), 1], "none": [1, 0.1, 1]}
+    assert [probe.arm for probe in row.probes] == ["b"] and row.probing  # not settled: "b" undecided
+    row.tokens.append(4)
+    engine._score_probes(row, ended=False)
+    assert row.arm_scores["b"] == [5, pytest.approx(0.12), 1] and row.probes == []
+    assert row.probing == [] and row.arm == "b"  # 5 tokens in 0.12 s: the best rate
+    assert engine.arm_evidence == row.arm_scores
+    ended = _Row(0, [1, 2, 3, 7], 3, 1, probing=["b"])
+    ended.probes, ended.probes_drafted = [_Probe("b", 3, [7, 8], 0.02, 0.1)], {"b": 1}
+    engine._score_probes(ended, ended=True)
+    assert ended.arm_scores == {"b": [2, pytest.approx(0.12), 1]} and ended.probes == []
 
 
 def test_arms_the_pooled_evidence_puts_behind_are_not_probed(setup):
@@ -406,34 +435,37 @@ def test_routing_arguments_are_checked(setup):
         SpeculativeEngine(target, {"a": drafters["dfly"]}, route_margin=1.0)
 
 
-def test_a_request_going_as_well_as_the_pooled_best_probes_nothing_else(setup):
-    """Once the evidence is in, a request starts on the pooled best arm; if its own rounds there
-    go as expected it settles without trying the others, if they go badly it tries them."""
-    engine = _fitted_against_useless(setup, max_batch_size=4)
-    engine.arm_evidence.update({"fitted": [400, 4.0, 100], "useless": [40, 0.8, 20], "none": [30, 0.4, 30]})
-    from angelspec_hf.generation.engine import _Row
+def test_probing_verifies_only_the_pooled_best_arm(setup):
+    """While a request probes, the other arms draft side by side but only the live arm, the best by
+    the pooled evidence, is verified: no round goes to an arm the evidence puts behind."""
+    engine = _fitted_against_useless(setup, max_batch_size=2)
+    engine.arm_evidence.update({"fitted": [400, 4.0, 100], "useless": [140, 1.4, 100], "none": [30, 0.4, 30]})
+    assert engine._arms_to_probe() == ["fitted", "useless", "none"]  # "useless" at 100 tokens/s: still probed
+    assert engine._live_arm(engine._arms_to_probe()) == "fitted"
+    verified: list[tuple[int, str]] = []
+    step = engine._step
 
-    def routed(tokens_per_round: int) -> _Row:
-        row = _Row(0, [1, 2, 3], 3, 10, routed=True)
-        row.schedule = [arm for arm in engine._arms_to_probe() for _ in range(engine.probe_rounds)]
-        row.arm = row.schedule.pop(0)
-        row.generators = {arm: object() for arm in engine.drafters}
-        for _ in range(engine.probe_rounds):
-            engine._score(row, tokens_per_round, 0.04)
-        return row
+    def recorded(rows, *args, **kwargs):
+        verified.extend((row.index, row.arm) for row in rows if row.probing)
+        return step(rows, *args, **kwargs)
 
-    assert engine._arms_to_probe() == ["fitted", "none"]  # "useless" (50 tokens/s against 100) is not probed
-    typical = routed(4)
-    assert typical.arm == "fitted" and typical.schedule == [] and set(typical.arm_scores) == {"fitted"}
-    atypical = routed(1)  # 25 tokens/s on its own, 62.5 blended: "none" (75 pooled) is worth a try
-    assert atypical.arm == "none" and set(atypical.arm_scores) == {"fitted"}
+    engine._step = recorded
+    _serve_five_checked(setup, engine)
+    assert verified and {arm for _, arm in verified} == {"fitted"}, verified
+    for entry in engine.stats:
+        assert {"fitted", "useless", "none"} <= set(entry["probes"]), entry
 
 
 def test_routed_rows_are_calibrated_per_drafter(setup):
     """In a routed batch each drafter's confidences calibrate on their own: the useless drafter's
     misses never lower what the fitted drafter's confidences are worth."""
     policy = cutting_policy(explore_every=2)
-    engine = _fitted_against_useless(setup, max_batch_size=4, policy=policy)
+    target, drafters, _ = setup
+    torch.manual_seed(9)
+    useless = DFlyDrafter.from_target(target, block_size=5).eval()
+    # The useless drafter first: before there is evidence the first drafter is the one verified.
+    engine = SpeculativeEngine(target, {"useless": useless, "fitted": drafters["dfly"]}, max_batch_size=4,
+                               probe_rounds=2, policy=policy)
     _serve_five_checked(setup, engine, forward_seconds=0.05)
     assert set(policy.calibrators) == {"fitted", "useless"}, policy.calibrators
     fitted, useless = (sum(policy.calibrators[arm].seen) for arm in ("fitted", "useless"))

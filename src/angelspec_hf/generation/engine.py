@@ -8,16 +8,21 @@ committed tokens at their true positions. Requests join when a slot is free (the
 prefilled separately and its cache merged in) and leave when they finish.
 
 With several drafters (``{name: drafter}``) each request uses the one named by its declared
-domain; a request without a known domain is routed online: its first rounds try every drafter
-and "no drafter" in turn, each arm is scored by tokens gained per second of its own drafting
-plus its share of the verify forward, and the request keeps the best arm. Two probe rounds are
-a noisy sample (a drafter whose two drafts both missed looks worse than no drafter), so every
-routed round also feeds evidence pooled over the engine's requests: a request's choice weighs
-its own probes against the pooled rate of each arm, and arms the pooled evidence shows well
-behind the best are no longer probed by the requests that join later. A candidate drafter
-ingests the request's context only when its arm drafts (it catches up on what it missed then),
-so drafters that lose the probes cost nothing, however long the probes stretch while the batch
-policy keeps drafting off; a probe is charged only its own round's share of a catch-up.
+domain; a request without a known domain is routed online. Its first drafting rounds are probes
+in which every candidate drafter drafts for it but only one, the live arm (the best by the
+evidence so far), is verified: the others' drafts are shadows, scored afterwards against the
+tokens the request commits, which under greedy decoding is exactly what verifying them would
+have accepted. Each arm (and "no drafter", one token a round) is scored by tokens gained per
+second of its own drafting plus the round's share of the verify forward, on the same positions
+of the request's own text, and the request keeps the best arm. Probing so costs only the extra
+drafting (a draft is a small fraction of a verify forward), where probing by verifying each arm
+in turn spent whole rounds on arms that lose. A few probes are still a noisy sample, so every
+probe also feeds evidence pooled over the engine's requests: a request's choice weighs its own
+probes against the pooled rate of each arm, and arms the pooled evidence shows well behind the
+best are no longer probed by the requests that join later. A candidate drafter ingests the
+request's context only when it drafts (it catches up on what it missed then), so after the
+probes the arms a request dropped cost nothing. Under sampling a shadow is scored against the
+sampled tokens, which undercounts what speculative sampling would accept, alike for every arm.
 
 Drafting reuses the drafters' own candidate generators, one per row, fed with that row's slice
 of the verify forward's hidden states; each drafter then drafts for all its rows in one batched
@@ -56,6 +61,18 @@ NO_DRAFTER = "none"
 
 
 @dataclass
+class _Probe:
+    """One arm's draft in a routed request's probe round, scored once the request has committed
+    the tokens it drafted for (or ended)."""
+
+    arm: str
+    start: int  # index in the row's tokens of the first drafted position
+    tokens: list[int]
+    draft_seconds: float
+    verify_seconds: float | None = None  # the round's per-row share of the verify forward
+
+
+@dataclass
 class _Row:
     index: int
     tokens: list[int]
@@ -64,9 +81,10 @@ class _Row:
     domain: str | None = None
     generators: dict = field(default_factory=dict)  # arm -> candidate generator, while it may be used
     arm: str = NO_DRAFTER
-    schedule: list[str] = field(default_factory=list)  # arms still to probe, in order
-    arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds, rounds] of this request
-    routed: bool = False  # chosen online: its rounds feed the engine's pooled evidence
+    probing: list[str] = field(default_factory=list)  # arms this request still scores (empty: settled)
+    probes: list[_Probe] = field(default_factory=list)  # drafted probes not scored yet
+    probes_drafted: dict = field(default_factory=dict)  # arm -> probes drafted so far
+    arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds, rounds] of this request's scored probes
     # arm -> hidden states of the row's committed positions that arm's drafter has not ingested
     # yet, one entry per forward; a drafter ingests only when its arm drafts.
     pending: dict = field(default_factory=dict)
@@ -114,16 +132,16 @@ class SpeculativeEngine:
     the drafter of each drafting row, in the same order; optionally ``record_forward(seconds,
     width, context, batch)``, told how long every verify forward took). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
-    ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its probe
-    rounds. ``arm_evidence`` holds the pooled evidence of every routed round: arm -> (tokens,
+    ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its scored
+    probes. ``arm_evidence`` holds the pooled evidence of every scored probe: arm -> (tokens,
     seconds, rounds); it lives as long as the engine, so a serving engine keeps learning across
     `generate` calls (``arm_evidence.clear()`` forgets it, for example when the workload changes).
 
-    Routing: ``probe_rounds`` rounds per arm; an arm whose pooled rate, over at least
-    ``4 * probe_rounds`` rounds, is below ``1 - route_margin`` of the best arm's is not probed,
-    and a request probes the arms in order of pooled rate, stopping as soon as none of the
-    remaining ones is pooled faster than what its own probes show (so a typical request pays
-    for no probes once the evidence is in, and an atypical one still tries the others).
+    Routing: ``probe_rounds`` probes per arm, drafted side by side in the request's first drafting
+    rounds while the pooled best arm (the first drafter before there is evidence) is verified; an
+    arm whose pooled rate, over at least ``4 * probe_rounds`` probes, is below ``1 - route_margin``
+    of the best arm's is not probed by later requests. The request then settles on the arm with
+    the best rate, its own probes weighed against the pooled evidence.
     """
 
     def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2, policy=None,
@@ -143,7 +161,7 @@ class SpeculativeEngine:
         if not 0.0 <= route_margin < 1.0:
             raise ValueError(f"route_margin must be in [0, 1), got {route_margin}.")
         self.probe_rounds, self.route_margin = probe_rounds, route_margin
-        self.arm_evidence: dict[str, list] = {}  # arm -> [tokens, seconds, rounds] over all routed requests
+        self.arm_evidence: dict[str, list] = {}  # arm -> [tokens, seconds, rounds] over every scored probe
         # A batch policy (`BatchDCutPolicy`) sizes each step's verify window across requests and
         # may skip drafting; without one every row's draft is verified whole.
         self.policy = policy
@@ -317,10 +335,10 @@ class SpeculativeEngine:
             row.pending.setdefault(arm, []).append(outputs)
 
     @staticmethod
-    def _take_pending(row: _Row) -> tuple[SimpleNamespace, float]:
-        """Every position the current arm's drafter has not ingested, as one forward's outputs, and
-        the share of them the latest forward committed (the rest is catch-up)."""
-        pending = row.pending.pop(row.arm, [])
+    def _take_pending(row: _Row, arm: str) -> tuple[SimpleNamespace, float]:
+        """Every position ``arm``'s drafter has not ingested, as one forward's outputs, and the
+        share of them the latest forward committed (the rest is catch-up)."""
+        pending = row.pending.pop(arm, [])
         if len(pending) <= 1:
             return SimpleNamespace(hidden_states=pending[0] if pending else None), 1.0
         layers = list(zip(*pending))
@@ -399,9 +417,8 @@ class SpeculativeEngine:
         elif row.domain in self.drafters:
             row.arm = row.domain
         else:
-            row.routed = True
-            row.schedule = [arm for arm in self._arms_to_probe() for _ in range(self.probe_rounds)]
-            row.arm = row.schedule.pop(0)
+            row.probing = self._arms_to_probe()
+            row.arm = self._live_arm(row.probing)
             row.generators = {name: self._new_generator(row, model) for name, model in self.drafters.items()}
             return
         row.generators = {row.arm: self._new_generator(row, self.drafters[row.arm])}
@@ -430,16 +447,46 @@ class SpeculativeEngine:
                        key=lambda arm: -rates[arm])
         return unknown + known
 
-    def _still_worth_probing(self, row: _Row) -> list[str]:
-        """The rest of a request's probe schedule, less the arms it has no reason to try: once it
-        has probed an arm, another arm with enough pooled evidence is tried only if its pooled
-        rate beats what this request's best arm so far is worth (its probes blended with the
-        pooled evidence). A request that goes as well as the pooled best stops probing there."""
-        if not row.arm_scores:
-            return row.schedule
-        best = max(self._blended_rate(row, arm) for arm in row.arm_scores)
-        return [arm for arm in row.schedule
-                if arm in row.arm_scores or (self._pooled_rate(arm) or float("inf")) > best]
+    def _live_arm(self, probing: list[str]) -> str:
+        """The arm verified while a request probes: the best pooled one, or the first drafter
+        before there is evidence (a shadow arm costs its drafting either way)."""
+        rates = {arm: self._pooled_rate(arm) for arm in probing}
+        known = [arm for arm in probing if rates[arm] is not None]
+        if known:
+            return max(known, key=lambda arm: rates[arm])
+        return next((arm for arm in probing if arm != NO_DRAFTER), NO_DRAFTER)
+
+    def _wants_probe(self, row: _Row, arm: str) -> bool:
+        return arm in row.probing and row.probes_drafted.get(arm, 0) < self.probe_rounds
+
+    def _shadow_arms(self, row: _Row) -> list[str]:
+        """The drafters that draft for a row this round without being verified."""
+        return [arm for arm in row.probing if arm not in (row.arm, NO_DRAFTER) and self._wants_probe(row, arm)]
+
+    def _add_probe(self, row: _Row, arm: str, draft: list[int], seconds: float) -> None:
+        row.probes.append(_Probe(arm, len(row.tokens), draft, seconds))
+        row.probes_drafted[arm] = row.probes_drafted.get(arm, 0) + 1
+
+    def _score_probes(self, row: _Row, ended: bool) -> None:
+        """Score the probes whose drafted positions the request has now committed (all of them once
+        it ended): tokens gained = drafts matching the committed text, plus the target's own token;
+        then settle the request if every arm has been probed enough."""
+        waiting = []
+        for probe in row.probes:
+            committed = row.tokens[probe.start:]
+            matched = 0
+            while matched < min(len(probe.tokens), len(committed)) and probe.tokens[matched] == committed[matched]:
+                matched += 1
+            if matched == len(probe.tokens) or matched < len(committed) or ended:
+                seconds = probe.draft_seconds + (probe.verify_seconds or 0.0)
+                self._add_round(row.arm_scores, probe.arm, matched + 1, seconds)
+                self._add_round(self.arm_evidence, probe.arm, matched + 1, seconds)
+            else:
+                waiting.append(probe)
+        row.probes = waiting
+        if row.probing and not waiting and not ended and all(
+                row.probes_drafted.get(arm, 0) >= self.probe_rounds for arm in row.probing):
+            self._settle(row)
 
     def _blended_rate(self, row: _Row, arm: str) -> float:
         """The request's own probes of ``arm`` plus the pooled evidence, weighted as ``probe_rounds`` rounds."""
@@ -456,47 +503,50 @@ class SpeculativeEngine:
         score = scores.setdefault(arm, [0, 0.0, 0])
         score[0], score[1], score[2] = score[0] + tokens, score[1] + seconds, score[2] + 1
 
-    def _score(self, row: _Row, tokens: int, seconds: float) -> None:
-        """Record a routed round and move to the next probe, or settle on the best arm."""
-        if not row.schedule and len(row.generators) <= 1:
-            return
-        self._add_round(row.arm_scores, row.arm, tokens, seconds)
-        if row.schedule and row.schedule[0] != row.arm:
-            row.schedule = self._still_worth_probing(row)
-        if row.schedule:
-            row.arm = row.schedule.pop(0)
-            return
-        # Arms this request skipped still compete on their pooled evidence.
-        candidates = set(row.arm_scores) | {arm for arm in self._arms if arm in self.arm_evidence}
-        row.arm = max(sorted(candidates), key=lambda arm: self._blended_rate(row, arm))
+    def _settle(self, row: _Row) -> None:
+        """End a request's probes on the arm with the best blended rate among those it probed; drop
+        the other drafters."""
+        # Only arms with probes of its own: an arm's pooled rate says how it did on other requests'
+        # text, and a code request once settled on MTP, never probed, on chat requests' evidence.
+        if row.arm_scores:
+            row.arm = max(sorted(row.arm_scores), key=lambda arm: self._blended_rate(row, arm))
+        row.probing = []
         row.generators = {row.arm: row.generators[row.arm]} if row.arm in row.generators else {}
         row.pending = {arm: states for arm, states in row.pending.items() if arm in row.generators}
 
     def _draft(self, rows: list[_Row], active: list[bool]) -> list[list[int]]:
-        """Every active row's draft: each drafter ingests the new states of all its rows, then drafts
-        for all of them, in batched calls (`observe_many`, `propose_many`), their time shared evenly."""
-        groups: dict[str, list[int]] = {}
+        """Every active row's draft, and the shadow drafts of probing rows: each drafter ingests the
+        new states of all its rows, then drafts for all of them, in batched calls (`observe_many`,
+        `propose_many`), their time shared evenly."""
+        groups: dict[str, list[tuple[int, bool]]] = {}  # arm -> (row, verified?) of the rows it drafts for
         for i, (row, is_active) in enumerate(zip(rows, active)):
-            if is_active and row.generator is not None:
-                groups.setdefault(row.arm, []).append(i)
+            if not is_active:
+                continue
+            if row.generator is not None:
+                groups.setdefault(row.arm, []).append((i, True))
+            for arm in self._shadow_arms(row):
+                groups.setdefault(arm, []).append((i, False))
         drafts: list[list[int]] = [[] for _ in rows]
-        for members in groups.values():
-            ids = [torch.tensor([rows[i].tokens], device=self.target.device) for i in members]
-            generators = [rows[i].generator for i in members]
+        for arm, members in groups.items():
+            ids = [torch.tensor([rows[i].tokens], device=self.target.device) for i, _ in members]
+            generators = [rows[i].generators[arm] for i, _ in members]
             start = time.perf_counter()
-            pending = [self._take_pending(rows[i]) for i in members]
+            pending = [self._take_pending(rows[i], arm) for i, _ in members]
             type(generators[0]).observe_many(generators, ids, [outputs for outputs, _ in pending])
             share = (time.perf_counter() - start) / len(members)
-            for i, (_, latest_share) in zip(members, pending):
-                # A catch-up on states missed while other arms or no drafting ran is paid once, not per round.
-                rows[i].draft_seconds = share * latest_share
+            # A catch-up on states missed while other arms or no drafting ran is paid once, not per round.
+            seconds = [share * latest_share for _, latest_share in pending]
             start = time.perf_counter()
             proposals = type(generators[0]).propose_many(generators, ids)
             share = (time.perf_counter() - start) / len(members)
-            for i, row_ids, (candidates, logits) in zip(members, ids, proposals):
-                drafts[i] = candidates[0, row_ids.shape[1]:].tolist()
-                rows[i].draft_logits = logits
-                rows[i].draft_seconds += share
+            for (i, verified), row_ids, (candidates, logits), caught_up in zip(members, ids, proposals, seconds):
+                row, draft = rows[i], candidates[0, row_ids.shape[1]:].tolist()
+                if verified:
+                    drafts[i] = draft
+                    row.draft_logits = logits
+                    row.draft_seconds = caught_up + share
+                if draft and self._wants_probe(row, arm):
+                    self._add_probe(row, arm, draft, caught_up + share)
         return drafts
 
     def _step(self, rows, cache, valid, eos, queued: bool):
@@ -506,7 +556,7 @@ class SpeculativeEngine:
         # Finished rows whose last token's states are still wanted run it through once more.
         flushing = [not a and not self._flushed(row) for row, a in zip(rows, active)]
         policy = self.policy
-        any_drafter = any(row.generator is not None for row, a in zip(rows, active) if a)
+        any_drafter = any(row.generator is not None or self._shadow_arms(row) for row, a in zip(rows, active) if a)
         # A round the policy keeps every drafter out of is plain decoding whatever a row's arm: no probe.
         batch, context = sum(active), valid.shape[1]
         gated = any_drafter and policy is not None and not policy.should_draft(batch, context, queued)
@@ -514,6 +564,11 @@ class SpeculativeEngine:
         for row in rows:
             row.draft_seconds, row.draft_logits = 0.0, None
         drafts = self._draft(rows, active) if drafting else [[] for _ in rows]
+        for row, is_active in zip(rows, active):
+            # "No drafter" gains the target's one token a round: a probe of it is any round the
+            # policy leaves open (a closed one would make every arm look like it).
+            if not gated and is_active and self._wants_probe(row, NO_DRAFTER):
+                self._add_probe(row, NO_DRAFTER, [], 0.0)
         width = 1 + max(len(d) for d in drafts)
         if policy is not None and width > 1:
             drafted = [row for row, d, a in zip(rows, drafts, active) if d and a]
@@ -564,16 +619,16 @@ class SpeculativeEngine:
             # The pending token and the accepted drafts are now committed; the rest is masked for good.
             kept[i, : len(new)] = True
             self._capture(row, out, i, len(new))
-            if row.routed and not gated:
-                # Settled requests keep feeding the evidence (those on "no drafter" too).
-                self._add_round(self.arm_evidence, row.arm, len(new), row.draft_seconds + verify_share)
             if row.generators:
                 row.accepted.append(len(new) - 1)
                 if row.generator is not None:
                     row.generator.update_candidate_strategy(None, None, len(new) - 1)
                 self._queue_outputs(row, self._row_outputs(out, i, len(new)))
-                if not gated:
-                    self._score(row, len(new), row.draft_seconds + verify_share)
+            if row.probes:
+                for probe in row.probes:
+                    if probe.verify_seconds is None:
+                        probe.verify_seconds = verify_share
+                self._score_probes(row, ended=self._finished(row, eos))
         if policy is not None and drafting:
             policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows), queued=queued,
                            arms=outcome_arms)
