@@ -149,12 +149,14 @@ def test_repeated_engine_runs_report_median_drafting_steps_and_every_chosen_draf
 
 @pytest.mark.parametrize("bf16_ms,expected", [(120.0, "float32"), (80.0, "bfloat16"), (100.0, "bfloat16")])
 def test_bench_picks_the_dtype_this_hardware_verifies_faster(targets, monkeypatch, bf16_ms, expected):
-    """`bench --dtype auto` reads both dtypes' batch-1 cost profiles (bfloat16 with exact kernels)
-    and verifies in the faster one: on an AVX2-only CPU bfloat16 verification took 2.3x float32's."""
+    """`bench --dtype auto` reads both dtypes' batch-1 cost profiles (bfloat16 with exact kernels,
+    float32 with packed linears where oneDNN has them) and verifies in the faster one: on an
+    AVX2-only CPU bfloat16 verification took 2.3x float32's."""
     from types import SimpleNamespace
 
     from angelspec_hf import cli, generation
     from angelspec_hf.generation.exact import is_verification_exact
+    from angelspec_hf.generation.packed import is_packed, packing_available
 
     def load(name, dtype="float32"):
         return copy.deepcopy(targets.target("llama")).to(getattr(torch, dtype))
@@ -162,7 +164,7 @@ def test_bench_picks_the_dtype_this_hardware_verifies_faster(targets, monkeypatc
     profiled = []
 
     def profile(target, name, batch_sizes):
-        profiled.append((target.dtype, is_verification_exact(target), batch_sizes))
+        profiled.append((target.dtype, is_verification_exact(target), is_packed(target), batch_sizes))
         ms = 100.0 if target.dtype == torch.float32 else bf16_ms
         return SimpleNamespace(verify_seconds=lambda tokens, context: ms / 1000 if (tokens, context) == (9, 256) else None)
 
@@ -170,5 +172,5 @@ def test_bench_picks_the_dtype_this_hardware_verifies_faster(targets, monkeypatc
     monkeypatch.setattr(generation, "load_or_profile", profile)
     dtype, verify_ms = cli.faster_verification_dtype("tiny", "tiny", threads=1)
     assert dtype == expected and verify_ms == pytest.approx({"float32": 100.0, "bfloat16": bf16_ms})
-    assert profiled == [(torch.float32, False, (1,)), (torch.bfloat16, True, (1,))]
+    assert profiled == [(torch.float32, False, packing_available(), (1,)), (torch.bfloat16, True, False, (1,))]
     assert cli.build_parser().parse_args(["bench"]).dtype == "auto"

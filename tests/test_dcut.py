@@ -459,7 +459,7 @@ def test_saved_profiles_of_an_older_format_are_measured_again(targets, tmp_path,
 
 
 def test_saved_profiles_are_keyed_by_exact_kernels_and_cover_the_batch_sizes_asked_for(tmp_path, monkeypatch):
-    """An exact-verification target is profiled apart from the stock one, and a profile of batch 1
+    """An exact-verification (or packed) target is profiled apart from the stock one, and a profile of batch 1
     only serves batch-1 use but is measured again when the engine's batch sizes are asked for."""
     from angelspec_hf.generation import cost_model
     from angelspec_hf.generation.exact import make_verification_exact
@@ -482,6 +482,14 @@ def test_saved_profiles_are_keyed_by_exact_kernels_and_cover_the_batch_sizes_ask
     assert measured == [("tiny@bfloat16+exact", (1,))]
     cost_model.load_or_profile(target, "tiny")
     assert measured[-1] == ("tiny@bfloat16+exact", cost_model.ENGINE_BATCH_SIZES)
+    from angelspec_hf.generation.packed import pack_linear_weights, packing_available
+
+    if packing_available():  # packed float32 linears verify at other costs: a profile of their own
+        packed = tiny_target("llama")
+        cost_model.load_or_profile(packed, "tiny", batch_sizes=(1,))
+        pack_linear_weights(packed)
+        cost_model.load_or_profile(packed, "tiny", batch_sizes=(1,))
+        assert measured[-2:] == [("tiny@float32", (1,)), ("tiny@float32+packed", (1,))]
 
 
 @pytest.mark.parametrize("slowdown", [0.5, 2.0, 3.0])

@@ -30,26 +30,45 @@ def shipped_drafter_dirs(root: Path) -> list[Path]:
     return sorted(path for path in root.iterdir() if (path / "config.json").exists() and (path / "model.safetensors").exists())
 
 
+def install_verification_kernels(target: PreTrainedModel, stock: bool = False) -> str:
+    """Our kernels for verifying drafts on ``target``: exact verification in reduced precision
+    (without it bfloat16 output is not token-identical, generation/exact.py), oneDNN packed linears
+    for a float32 target on a CPU (faster verify forwards, generation/packed.py); nothing with
+    ``stock``. Returns which: "exact", "packed" or "stock"."""
+    from .generation import make_verification_exact, pack_linear_weights
+    from .generation.packed import packing_available
+
+    if stock:
+        return "stock"
+    if target.dtype != torch.float32:
+        make_verification_exact(target)
+        return "exact"
+    if target.device.type == "cpu" and packing_available():
+        pack_linear_weights(target)
+        return "packed"
+    return "stock"
+
+
 def faster_verification_dtype(target_name: str, display_name: str, threads: int,
-                              exact: bool = True) -> tuple[str, dict[str, float]]:
+                              stock: bool = False) -> tuple[str, dict[str, float]]:
     """The dtype this hardware verifies drafts faster in (bfloat16 on a tie), and the milliseconds
-    each takes to verify a draft of 8 at context 256 (batch 1, ``threads`` threads; bfloat16 with
-    exact verification kernels unless ``exact`` is off), read from the saved cost profiles
-    (measured first where missing). Verification is what speculative decoding spends its time on.
+    each takes to verify a draft of 8 at context 256 (batch 1, ``threads`` threads, with our
+    verification kernels unless ``stock``: exact ones in bfloat16, packed linears in float32), read
+    from the saved cost profiles (measured first where missing). Verification is what speculative
+    decoding spends its time on.
 
     Neither dtype is faster everywhere: bfloat16 verified 8 drafts at 1.14x a plain step on a CPU with
     bfloat16 units (avx512_bf16), while on one with AVX2 only (emulated bfloat16) a 9-token bfloat16
     forward took 303 ms against float32's 134 (one thread, nothing else running): with plain float32
     decoding at 61 ms a token there, a drafter verified in bfloat16 needed tau above 5 to break even.
     """
-    from .generation import load_or_profile, make_verification_exact
+    from .generation import load_or_profile
 
     torch.set_num_threads(threads)
     verify_ms = {}
     for dtype in DTYPES:
         target = load_target_model(target_name, dtype)
-        if exact and dtype != "float32":
-            make_verification_exact(target)
+        install_verification_kernels(target, stock)
         verify_ms[dtype] = 1000 * load_or_profile(target, display_name, batch_sizes=(1,)).verify_seconds(9, 256)
     return min(verify_ms, key=lambda dtype: (verify_ms[dtype], dtype != "bfloat16")), verify_ms
 
@@ -79,7 +98,6 @@ def run_bench(args: argparse.Namespace) -> int:
         write_report,
     )
     from .generation import load_or_profile
-    from .generation.exact import make_verification_exact
 
     # --quick is a smoke run (every method, every domain, losslessness checked), not a measurement:
     # 2 prompts a set at 64 tokens took 5.0-8.2 minutes on the reference 2-core machine, where the
@@ -91,22 +109,24 @@ def run_bench(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     verify_ms = {}
     if args.dtype == "auto":
-        args.dtype, verify_ms = faster_verification_dtype(args.target, name, threads, exact=not args.stock_kernels)
+        args.dtype, verify_ms = faster_verification_dtype(args.target, name, threads, stock=args.stock_kernels)
         print(f"batch-1 dtype: {args.dtype} (a draft of 8 verified at context 256 in "
               + ", ".join(f"{ms:.1f} ms in {dtype}" for dtype, ms in verify_ms.items()) + " on this hardware)")
     target, tokenizer = load_target(args.target, args.dtype)
-    exact = args.dtype != "float32" and not args.stock_kernels
+    stock = None if args.stock_kernels else copy.deepcopy(target)
+    kernels = install_verification_kernels(target, args.stock_kernels)
+    exact = kernels == "exact"
     baselines = []
-    if exact:
-        # bfloat16 verification is token-identical only with row-stable kernels (generation/exact.py);
-        # plain decoding of the stock bf16 target is measured beside it, so that AR is not slowed by them.
-        stock = copy.deepcopy(target)
-        make_verification_exact(target)
+    if kernels != "stock":
+        # bfloat16 verification is token-identical only with row-stable kernels (generation/exact.py),
+        # float32 verifies faster with packed linears (generation/packed.py); plain decoding of the stock
+        # target is measured beside it, so that AR is not slowed (or sped up) by them.
         baselines.append(Method(f"AR, {args.dtype} stock kernels ({engine_threads} threads)", target=stock,
                                 threads=engine_threads))
     engine_target = target
     if args.engine_dtype != args.dtype or exact:
         engine_target = load_target(args.target, args.engine_dtype)[0]
+        install_verification_kernels(engine_target, args.stock_kernels)
         baselines.append(Method(f"AR, {args.engine_dtype} target ({engine_threads} threads)", target=engine_target,
                                 threads=engine_threads))
     drafters = bench_drafters(target, Path(args.modeling_dir), args.drafter)
@@ -129,7 +149,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print()
         print(format_table(concurrency, group="concurrency"))
     report = Path(args.report)
-    write_report(runs, rows, report, {"target": name, "dtype": args.dtype, "exact_kernels": exact,
+    write_report(runs, rows, report, {"target": name, "dtype": args.dtype, "exact_kernels": exact, "kernels": kernels,
                                       "threads": threads, "engine_dtype": args.engine_dtype,
                                       "engine_threads": engine_threads, "per_set": per_set,
                                       "max_new_tokens": max_new_tokens, "verify_ms_by_dtype": verify_ms}, concurrency)
@@ -458,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "exact verification (generation/exact.py), and plain decoding with the stock kernels and in "
                             "float32 is measured beside it")
     bench.add_argument("--stock-kernels", action="store_true",
-                       help="do not install exact verification (bfloat16 output then differs from plain decoding)")
+                       help="do not install our verification kernels: exact verification in bfloat16 (whose output then "
+                            "differs from plain decoding), packed linears in float32 on CPUs (verify forwards then cost "
+                            "up to twice a plain step on CPUs whose BLAS re-packs weights for a few rows)")
     bench.add_argument("--engine-dtype", default="float32", choices=DTYPES,
                        help="the batched engine's target dtype (its padded batches are exact in float32)")
     bench.add_argument("--engine-threads", type=int, default=0, help="torch threads for the engine (0: torch's default)")

@@ -113,13 +113,16 @@ ENGINE_BATCH_SIZES = (1, 2, 4, 8, 12, 16)
 
 def load_or_profile(target, target_name: str, refresh: bool = False,
                     batch_sizes: tuple[int, ...] = ENGINE_BATCH_SIZES) -> CostModel:
-    """The saved profile of this target (in its dtype, with or without exact verification) on this
-    hardware, measuring it first if there is none or the saved one lacks a batch size asked for."""
+    """The saved profile of this target (in its dtype, with or without exact verification kernels or
+    packed linears) on this hardware, measuring it first if there is none or the saved one lacks a batch size asked for."""
     from .exact import is_verification_exact
+    from .packed import is_packed
 
     target_name = f"{target_name}@{str(target.dtype).removeprefix('torch.')}"
     if is_verification_exact(target):
         target_name += "+exact"
+    if is_packed(target):
+        target_name += "+packed"
     path = profile_path(target_name)
     if path.exists() and not refresh:
         model = CostModel.load(path)
