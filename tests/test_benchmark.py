@@ -174,3 +174,18 @@ def test_bench_picks_the_dtype_this_hardware_verifies_faster(targets, monkeypatc
     assert dtype == expected and verify_ms == pytest.approx({"float32": 100.0, "bfloat16": bf16_ms})
     assert profiled == [(torch.float32, False, packing_available(), (1,)), (torch.bfloat16, True, False, (1,))]
     assert cli.build_parser().parse_args(["bench"]).dtype == "auto"
+
+
+def test_bench_installs_the_verification_kernels_of_the_target_dtype(targets):
+    """Exact kernels in bfloat16 (token identity), packed linears in float32 on a CPU (speed), none
+    with --stock-kernels; the bench copies the target for stock plain decoding only when it installs some."""
+    from angelspec_hf import cli
+    from angelspec_hf.generation.exact import is_verification_exact
+    from angelspec_hf.generation.packed import is_packed, packing_available
+
+    float32 = copy.deepcopy(targets.target("llama"))
+    bfloat16 = copy.deepcopy(targets.target("llama")).to(torch.bfloat16)
+    assert cli.verification_kernels(float32, stock=True) == cli.verification_kernels(bfloat16, stock=True) == "stock"
+    assert cli.install_verification_kernels(bfloat16) == "exact" and is_verification_exact(bfloat16)
+    expected = "packed" if packing_available() else "stock"
+    assert cli.install_verification_kernels(float32) == expected and is_packed(float32) == packing_available()

@@ -385,7 +385,6 @@ def test_probes_are_scored_against_the_committed_text():
         _Probe("c", 3, [7, 8], 0.03, 0.1),  # every draft committed: 2 + 1
         _Probe("none", 3, [], 0.0, 0.1),
     ]
-    row.probes_drafted = {"a": 1, "b": 1, "c": 1, "none": 1}
     engine._score_probes(row, ended=False)
     assert row.arm_scores == {"a": [3, pytest.approx(0.11), 1], "c": [3, pytest.approx(0.13), 1], "none": [1, 0.1, 1]}
     assert [probe.arm for probe in row.probes] == ["b"] and row.probing  # not settled: "b" undecided
@@ -395,7 +394,7 @@ def test_probes_are_scored_against_the_committed_text():
     assert row.probing == [] and row.arm == "b"  # 5 tokens in 0.12 s: the best rate
     assert engine.arm_evidence == row.arm_scores
     ended = _Row(0, [1, 2, 3, 7], 3, 1, probing=["b"])
-    ended.probes, ended.probes_drafted = [_Probe("b", 3, [7, 8], 0.02, 0.1)], {"b": 1}
+    ended.probes = [_Probe("b", 3, [7, 8], 0.02, 0.1)]
     engine._score_probes(ended, ended=True)
     assert ended.arm_scores == {"b": [2, pytest.approx(0.12), 1]} and ended.probes == []
 

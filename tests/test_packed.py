@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from angelspec_hf import DFlyDrafter, MTPDrafter
 from angelspec_hf.generation import SpeculativeEngine, make_verification_exact, pack_linear_weights
 from angelspec_hf.generation.packed import PackedLinearError, is_packed, packing_available
 from angelspec_hf.reference import tiny_target

@@ -30,23 +30,30 @@ def shipped_drafter_dirs(root: Path) -> list[Path]:
     return sorted(path for path in root.iterdir() if (path / "config.json").exists() and (path / "model.safetensors").exists())
 
 
-def install_verification_kernels(target: PreTrainedModel, stock: bool = False) -> str:
-    """Our kernels for verifying drafts on ``target``: exact verification in reduced precision
-    (without it bfloat16 output is not token-identical, generation/exact.py), oneDNN packed linears
-    for a float32 target on a CPU (faster verify forwards, generation/packed.py); nothing with
-    ``stock``. Returns which: "exact", "packed" or "stock"."""
-    from .generation import make_verification_exact, pack_linear_weights
+def verification_kernels(target: PreTrainedModel, stock: bool = False) -> str:
+    """Our kernels for verifying drafts on ``target``: "exact" (exact verification in reduced
+    precision, without which bfloat16 output is not token-identical, generation/exact.py), "packed"
+    (oneDNN packed linears for a float32 target on a CPU, faster verify forwards,
+    generation/packed.py), or "stock" (none: asked for with ``stock``, or nothing applies)."""
     from .generation.packed import packing_available
 
     if stock:
         return "stock"
     if target.dtype != torch.float32:
-        make_verification_exact(target)
         return "exact"
-    if target.device.type == "cpu" and packing_available():
+    return "packed" if target.device.type == "cpu" and packing_available() else "stock"
+
+
+def install_verification_kernels(target: PreTrainedModel, stock: bool = False) -> str:
+    """Install `verification_kernels` on ``target``; returns which."""
+    from .generation import make_verification_exact, pack_linear_weights
+
+    kernels = verification_kernels(target, stock)
+    if kernels == "exact":
+        make_verification_exact(target)
+    elif kernels == "packed":
         pack_linear_weights(target)
-        return "packed"
-    return "stock"
+    return kernels
 
 
 def faster_verification_dtype(target_name: str, display_name: str, threads: int,
@@ -113,7 +120,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"batch-1 dtype: {args.dtype} (a draft of 8 verified at context 256 in "
               + ", ".join(f"{ms:.1f} ms in {dtype}" for dtype, ms in verify_ms.items()) + " on this hardware)")
     target, tokenizer = load_target(args.target, args.dtype)
-    stock = None if args.stock_kernels else copy.deepcopy(target)
+    # A copy for plain decoding with the stock kernels, only where ours are installed.
+    stock = copy.deepcopy(target) if verification_kernels(target, args.stock_kernels) != "stock" else None
     kernels = install_verification_kernels(target, args.stock_kernels)
     exact = kernels == "exact"
     baselines = []
@@ -475,8 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="batch-1 target (and drafter) dtype; auto: the one this hardware verifies a draft faster in, "
                             "from the cost profiles (bfloat16 on CPUs with bfloat16 units and on GPUs, float32 on "
                             "AVX2-only CPUs, where bfloat16 verification took 2.3x as long). Other than float32 it runs with "
-                            "exact verification (generation/exact.py), and plain decoding with the stock kernels and in "
-                            "float32 is measured beside it")
+                            "exact verification (generation/exact.py), float32 on a CPU with packed linears "
+                            "(generation/packed.py); plain decoding with the stock kernels (and in float32) is measured "
+                            "beside it")
     bench.add_argument("--stock-kernels", action="store_true",
                        help="do not install our verification kernels: exact verification in bfloat16 (whose output then "
                             "differs from plain decoding), packed linears in float32 on CPUs (verify forwards then cost "

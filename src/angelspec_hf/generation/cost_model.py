@@ -114,7 +114,8 @@ ENGINE_BATCH_SIZES = (1, 2, 4, 8, 12, 16)
 def load_or_profile(target, target_name: str, refresh: bool = False,
                     batch_sizes: tuple[int, ...] = ENGINE_BATCH_SIZES) -> CostModel:
     """The saved profile of this target (in its dtype, with or without exact verification kernels or
-    packed linears) on this hardware, measuring it first if there is none or the saved one lacks a batch size asked for."""
+    packed linears) on this hardware, measuring it first if there is none or the saved one lacks a
+    batch size asked for."""
     from .exact import is_verification_exact
     from .packed import is_packed
 

@@ -83,10 +83,9 @@ class _Row:
     arm: str = NO_DRAFTER
     probing: list[str] = field(default_factory=list)  # arms this request still scores (empty: settled)
     probes: list[_Probe] = field(default_factory=list)  # drafted probes not scored yet
-    probes_drafted: dict = field(default_factory=dict)  # arm -> probes drafted so far
     arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds, rounds] of this request's scored probes
     # arm -> hidden states of the row's committed positions that arm's drafter has not ingested
-    # yet, one entry per forward; a drafter ingests only when its arm drafts.
+    # yet, one entry per forward; a drafter ingests only when it drafts.
     pending: dict = field(default_factory=dict)
     draft_logits: torch.Tensor | None = None  # processed draft logits of the current round (sampling)
     draft_seconds: float = 0.0
@@ -456,8 +455,13 @@ class SpeculativeEngine:
             return max(known, key=lambda arm: rates[arm])
         return next((arm for arm in probing if arm != NO_DRAFTER), NO_DRAFTER)
 
+    @staticmethod
+    def _probes_drafted(row: _Row, arm: str) -> int:
+        """Probes of ``arm`` so far: the scored ones and those waiting for their text."""
+        return row.arm_scores.get(arm, (0, 0.0, 0))[2] + sum(probe.arm == arm for probe in row.probes)
+
     def _wants_probe(self, row: _Row, arm: str) -> bool:
-        return arm in row.probing and row.probes_drafted.get(arm, 0) < self.probe_rounds
+        return arm in row.probing and self._probes_drafted(row, arm) < self.probe_rounds
 
     def _shadow_arms(self, row: _Row) -> list[str]:
         """The drafters that draft for a row this round without being verified."""
@@ -465,7 +469,6 @@ class SpeculativeEngine:
 
     def _add_probe(self, row: _Row, arm: str, draft: list[int], seconds: float) -> None:
         row.probes.append(_Probe(arm, len(row.tokens), draft, seconds))
-        row.probes_drafted[arm] = row.probes_drafted.get(arm, 0) + 1
 
     def _score_probes(self, row: _Row, ended: bool) -> None:
         """Score the probes whose drafted positions the request has now committed (all of them once
@@ -485,7 +488,7 @@ class SpeculativeEngine:
                 waiting.append(probe)
         row.probes = waiting
         if row.probing and not waiting and not ended and all(
-                row.probes_drafted.get(arm, 0) >= self.probe_rounds for arm in row.probing):
+                self._probes_drafted(row, arm) >= self.probe_rounds for arm in row.probing):
             self._settle(row)
 
     def _blended_rate(self, row: _Row, arm: str) -> float:
