@@ -8,7 +8,8 @@ up to twice as much. Measured on the reference target (an AMD EPYC with AVX2 onl
 context 256, stock and packed runs interleaved): a forward of 1 new token took 74-85 ms, of 2 new
 tokens 118-125 ms, of 9 new tokens 173-187 ms; packed, 96-108 ms for 2 and 130-137 ms for 9. Its
 lm_head alone (49152 x 576) took 10.3 ms for one row, 22.5 for two and 29.4 for nine with
-``F.linear``, 10.1 and 13.7 ms for two and nine rows with oneDNN's linear on a weight packed once.
+``F.linear``, 10.1 and 13.7 ms for two and nine rows with oneDNN's linear on a weight packed once
+(timed beside a benchmark run: the ratios hold, not the times).
 So a verify forward of 8 drafts cost 2.3 plain steps there with the stock kernels, 1.7 packed.
 
 `pack_linear_weights` packs each ``nn.Linear`` weight of the target once for oneDNN
