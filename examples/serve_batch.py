@@ -33,3 +33,17 @@ for name, model, policy in configurations:
     new = sum(len(out) - len(prompt) for out, prompt in zip(outputs, ids))
     print(f"{name}: {new / (time.perf_counter() - start):.1f} tokens/s over {len(ids)} requests")
 print(tokenizer.decode(outputs[0][len(ids[0]):], skip_special_tokens=True))
+
+# The same engine streaming: a request submitted while the others decode, its tokens printed as
+# they are committed.
+engine = SpeculativeEngine(target, drafter, max_batch_size=8)
+for prompt in ids[1:]:
+    engine.submit(prompt, max_new_tokens=96, eos_token_id=tokenizer.eos_token_id)
+for _ in range(3):
+    engine.step()
+live = engine.submit(ids[0], max_new_tokens=96, eos_token_id=tokenizer.eos_token_id)
+while engine.has_work:
+    for event in engine.step():
+        if event.request == live:
+            print(tokenizer.decode(event.tokens, skip_special_tokens=True), end="", flush=True)
+print()

@@ -108,6 +108,104 @@ def test_engine_refuses_a_foreign_drafter_and_a_bad_temperature(setup):
         SpeculativeEngine(target).generate([[5, 6]], do_sample=True, temperature=0.0)
 
 
+@pytest.mark.parametrize("name", [None, "dfly", "mtp"])
+def test_streamed_tokens_add_up_to_each_plain_generate(setup, name):
+    target, drafters, prompts = setup
+    engine = SpeculativeEngine(target, drafters.get(name), max_batch_size=3)
+    streamed: dict[int, list[int]] = {}
+    events_per_request: dict[int, int] = {}
+    finished = []
+    for event in engine.stream(prompts + [[]], max_new_tokens=20):
+        assert event.request not in finished, "nothing after a request's finished event"
+        if event.finished:
+            finished.append(event.request)
+        if event.error is None:
+            streamed.setdefault(event.request, []).extend(event.tokens)
+            events_per_request[event.request] = events_per_request.get(event.request, 0) + 1
+    assert sorted(finished) == list(range(len(prompts) + 1))
+    assert finished[0] == len(prompts), "a request that cannot be served fails first, alone"
+    for index, prompt in enumerate(prompts):
+        assert prompt + streamed[index] == plain(target, prompt, max_new_tokens=20, eos_token_id=None)
+        # Tokens arrive step by step, not at the end: at most one window a step (the first step
+        # also brings the prefill's token).
+        assert events_per_request[index] >= 19 // (1 + (drafters[name].max_draft_tokens if name else 0))
+
+
+def test_requests_submitted_while_others_decode_join_and_match_plain(setup):
+    target, drafters, prompts = setup
+    eos = plain(target, prompts[2], max_new_tokens=20, eos_token_id=None)[PROMPT + 6]
+    engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=3)
+    first = [engine.submit(prompts[0], max_new_tokens=30), engine.submit(prompts[1], max_new_tokens=12)]
+    assert first == [0, 1] and engine.has_work
+    outputs = {request: [] for request in first}
+    late = {}
+    steps = 0
+    while engine.has_work:
+        for event in engine.step():
+            outputs[event.request] += event.tokens
+        steps += 1
+        if steps == 3:
+            # Arrive mid-flight, each with its own length and EOS; one waits for a free slot.
+            late = {engine.submit(prompts[i], max_new_tokens=n, eos_token_id=e): (i, n, e)
+                    for i, n, e in [(2, 20, eos), (3, 8, None), (4, 25, None)]}
+            outputs.update({request: [] for request in late})
+            assert all(outputs[request] for request in first), "the first requests were decoding"
+    expected = {0: (0, 30, None), 1: (1, 12, None), **late}
+    for request, (i, n, e) in expected.items():
+        assert prompts[i] + outputs[request] == plain(target, prompts[i], max_new_tokens=n, eos_token_id=e, pad_token_id=0)
+    assert outputs[list(late)[0]][-1] == eos and len(outputs[list(late)[0]]) < 20
+    assert engine.step() == [] and not engine.has_work
+
+
+def test_submit_refuses_a_bad_request_and_stream_a_busy_engine(setup):
+    target, drafters, prompts = setup
+    engine = SpeculativeEngine(target, drafters["mtp"], max_batch_size=2)
+    request = engine.submit(prompts[0], max_new_tokens=10)
+    with pytest.raises(EngineRequestError, match="outside the vocabulary"):
+        engine.submit([5, 10_000])
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        engine.submit(prompts[1], do_sample=True, temperature=0.0)
+    with pytest.raises(RuntimeError, match="drain them with step"):
+        engine.generate([prompts[1]])
+    tokens = []
+    while engine.has_work:
+        tokens += [t for event in engine.step() if event.request == request for t in event.tokens]
+    assert prompts[0] + tokens == plain(target, prompts[0], max_new_tokens=10, eos_token_id=None)
+    assert engine.generate([prompts[1]], max_new_tokens=5) == [plain(target, prompts[1], max_new_tokens=5, eos_token_id=None)]
+
+
+@pytest.mark.parametrize("name", ["dfly", "mtp"])
+def test_greedy_and_sampled_requests_share_a_batch(name):
+    """Each request decodes with its own settings: greedy rows stay identical to plain greedy
+    decoding and sampled rows (t=0.7, top-k 6) keep the target's distribution, side by side in
+    the same batches and batched drafting calls."""
+    from test_sampling import NEW_TOKENS, PROMPT as SAMPLING_PROMPT, SAMPLES, drafters, min_p_value, plain_samples
+
+    target = tiny_target("llama", vocab_size=10, hidden_size=32, num_hidden_layers=4, seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(10.0)
+    drafter = drafters(target)[name]
+    settings = {"temperature": 0.7, "top_k": 6}
+    reference = plain_samples(target, seed=1, **settings)
+    greedy_prompts = [[3, 7, 5, 4], [2, 2, 9], [8, 1, 6, 6, 3]]
+    torch.manual_seed(2)
+    engine = SpeculativeEngine(target, drafter, max_batch_size=16)
+    sampled, greedy = [], {}
+    for i in range(SAMPLES):
+        sampled.append(engine.submit(SAMPLING_PROMPT[0].tolist(), max_new_tokens=NEW_TOKENS, do_sample=True, **settings))
+        if i % 100 == 0:
+            prompt = greedy_prompts[(i // 100) % 3]
+            greedy[engine.submit(prompt, max_new_tokens=NEW_TOKENS + 6)] = prompt
+    outputs: dict[int, list[int]] = {}
+    while engine.has_work:
+        for event in engine.step():
+            outputs.setdefault(event.request, []).extend(event.tokens)
+    for request, prompt in greedy.items():
+        assert prompt + outputs[request] == plain(target, prompt, max_new_tokens=NEW_TOKENS + 6, eos_token_id=None)
+    assert sum(sum(entry["accepted"]) for entry in engine.stats) > SAMPLES // 4
+    assert min_p_value(reference, torch.tensor([outputs[request] for request in sampled])) > 1e-3
+
+
 def cutting_policy(explore_every: int = 5, slot_cost: float = 0.2, forward_seconds: float = 1.0):
     """A batch D-cut under which windows really vary: each extra slot costs ``slot_cost`` forwards.
 

@@ -497,8 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=int, nargs="*", default=[4, 16],
                        help="engine concurrency levels to measure (none with --quick)")
     bench.add_argument("--engine-repeats", type=int, default=1,
-                       help="bracketed passes per engine configuration; rows report the median (on a shared "
-                            "machine plain batched decoding alone moves by about 10%% between passes)")
+                       help="passes per engine configuration, each served step by step in turn with a pass of "
+                            "plain batched decoding; rows report the median (on a shared machine plain batched "
+                            "decoding alone moves by about 10%% between passes)")
     bench.set_defaults(handler=run_bench)
 
     push = commands.add_parser("push", help="upload a saved drafter with its model card to the Hub")

@@ -5,7 +5,7 @@ verify forwards on CPUs."""
 
 from .cost_model import CostModel, load_or_profile, profile_target
 from .dcut import BatchDCutPolicy, DCutPolicy, FixedLengthPolicy
-from .engine import EngineRequestError, SpeculativeEngine
+from .engine import EngineEvent, EngineRequestError, SpeculativeEngine
 from .exact import check_verification_exact, make_verification_exact
 from .packed import pack_linear_weights
 
@@ -13,6 +13,7 @@ __all__ = [
     "BatchDCutPolicy",
     "CostModel",
     "DCutPolicy",
+    "EngineEvent",
     "EngineRequestError",
     "FixedLengthPolicy",
     "SpeculativeEngine",

@@ -41,6 +41,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Iterator
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
@@ -93,6 +94,10 @@ class _Row:
     # With state capture: (layers, n, H) features and (n, H) final states of committed positions.
     captured: list = field(default_factory=list)
     flushed: bool = False  # the last token's states are captured too (it is never verified otherwise)
+    eos: frozenset = frozenset()
+    do_sample: bool = False
+    processors: LogitsProcessorList = field(default_factory=LogitsProcessorList)  # sampling warpers
+    emitted: int = 0  # new tokens already reported in events
 
     @property
     def generator(self):
@@ -105,6 +110,21 @@ class _Row:
     @property
     def tokens_left(self) -> int:
         return self.max_new_tokens - self.new_tokens
+
+
+@dataclass
+class EngineEvent:
+    """What one engine step did for one request: the tokens it committed (a joining request's
+    first one included), whether it finished, and for a request that could not be served its error."""
+
+    request: int
+    tokens: list[int]
+    finished: bool = False
+    error: EngineRequestError | None = None
+
+
+def _eos_set(eos_token_id: int | list[int] | None) -> frozenset:
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
 
 
 def _pad_left(tensor: torch.Tensor, length: int, dim: int, value=0) -> torch.Tensor:
@@ -121,6 +141,15 @@ class SpeculativeEngine:
 
     >>> engine = SpeculativeEngine(target, drafter, max_batch_size=16)
     >>> outputs = engine.generate([prompt_ids_1, prompt_ids_2], max_new_tokens=128)
+
+    Streaming, and requests that arrive while others are decoded (each with its own settings):
+
+    >>> for event in engine.stream([prompt_ids_1, prompt_ids_2], max_new_tokens=128):
+    ...     print(event.request, tokenizer.decode(event.tokens), event.finished)
+    >>> request = engine.submit(prompt_ids_3, max_new_tokens=64, do_sample=True, temperature=0.7)
+    >>> while engine.has_work:
+    ...     for event in engine.step():
+    ...         ...  # new tokens of every request that gained some; submit more at any time
 
     With ``policy=BatchDCutPolicy(load_or_profile(target, name))`` the verify window of every
     step is chosen across the batch and drafting stops when it does not pay (a policy of your own
@@ -168,8 +197,104 @@ class SpeculativeEngine:
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.final_state_index = text.num_hidden_layers  # hidden_states[L]: the final normed state
         self.layer_ids = sorted({i for model in drafters.values() for i in model.config.target_layer_ids})
+        self._waiting: list[_Row] = []
+        self._rows: list[_Row] = []
+        self._cache, self._valid = None, None
+        self._start_session(None)
 
     # -- public ---------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        """Whether submitted requests are still waiting or being decoded (`step` has work to do)."""
+        return bool(self._waiting or self._rows)
+
+    def submit(self, prompt: list[int], max_new_tokens: int = 128, *, eos_token_id: int | list[int] | None = None,
+               do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, domain: str | None = None) -> int:
+        """Queue one request; its id, which `step`'s events carry. It joins the batch at the next
+        step with a free slot, so requests can arrive while others are being decoded (continuous
+        batching). Decoding settings are the request's own: greedy and sampled requests, with
+        different temperatures, share a batch. Raises `EngineRequestError` for a prompt that cannot
+        be served (empty, ids outside the vocabulary, too long for the target) and ``ValueError``
+        for a bad setting; the requests already queued are not affected.
+        """
+        processors = self._processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+        request = self._new_id()
+        error = self._validate(prompt, max_new_tokens)
+        if error is not None:
+            raise error
+        self._waiting.append(_Row(request, list(map(int, prompt)), len(prompt), max_new_tokens, domain,
+                                  eos=_eos_set(eos_token_id), do_sample=do_sample, processors=processors))
+        return request
+
+    @torch.no_grad()
+    def step(self) -> list[EngineEvent]:
+        """Admit waiting requests into free slots, run one verify forward for the batch, and report
+        what each request gained: one event per request that committed tokens or finished."""
+        if not self.has_work:
+            return []
+        joining = []
+        while self._waiting and len(self._rows) + len(joining) < self.max_batch_size:
+            joining.append(self._waiting.pop(0))
+        if joining:
+            self._cache, self._valid = self._join(self._rows, self._cache, self._valid, joining)
+            self._rows += joining
+        rows = self._rows
+        self._cache, self._valid = self._step(rows, self._cache, self._valid, queued=bool(self._waiting))
+        events = []
+        finished = [i for i, row in enumerate(rows) if self._finished(row) and self._flushed(row)]
+        for i, row in enumerate(rows):
+            done = i in finished
+            new = row.tokens[row.prompt_length + row.emitted:]
+            row.emitted += len(new)
+            if new or done:
+                events.append(EngineEvent(row.index, new, done))
+            if done:
+                self._retire(row)
+        if finished:
+            keep = [i for i in range(len(rows)) if i not in finished]
+            self._rows = [rows[i] for i in keep]
+            if self._rows:
+                self._cache.batch_select_indices(torch.tensor(keep, device=self._valid.device))
+                self._valid = self._valid[keep]
+            else:
+                self._cache, self._valid = None, None
+        if self._rows:
+            self._cache, self._valid = self._trim(self._cache, self._valid)
+            self.peak_cache_length = max(self.peak_cache_length, self._valid.shape[1])
+        return events
+
+    def stream(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
+               do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, domains: list[str | None] | None = None,
+               capture_layers: list[int] | None = None) -> Iterator[EngineEvent]:
+        """Serve ``prompts`` and yield every request's tokens as they are committed (`EngineEvent`:
+        request = the prompt's index, the new tokens, whether it finished). A request that cannot be
+        served yields one finished event with its ``error`` first; the others go on. Requests
+        `submit`-ted while iterating join the batch and their events are yielded too. Starts a new
+        session of the engine (request ids from 0, fresh ``stats``): it must be idle. See `generate`
+        for ``domains`` and ``capture_layers``.
+        """
+        if self.has_work:
+            raise RuntimeError("stream/generate start a new session, but submitted requests are still "
+                               "being served: drain them with step() first.")
+        if domains is not None and len(domains) != len(prompts):
+            raise ValueError(f"domains names {len(domains)} requests for {len(prompts)} prompts.")
+        self._start_session(capture_layers)
+        settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=do_sample,
+                        temperature=temperature, top_k=top_k, top_p=top_p)
+        if do_sample:
+            self._processors(temperature, top_k, top_p)  # a bad setting fails before any request is queued
+        errors = []
+        for index, prompt in enumerate(prompts):
+            try:
+                self.submit(prompt, domain=domains[index] if domains is not None else None, **settings)
+            except EngineRequestError as error:
+                errors.append(EngineEvent(index, [], True, error))
+        yield from errors
+        while self.has_work:
+            yield from self.step()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
@@ -187,59 +312,40 @@ class SpeculativeEngine:
         without a second pass over the text. A finished row stays for one more forward so its last
         token's states are computed as well.
         """
+        results: list = [list(map(int, prompt)) for prompt in prompts]
+        for event in self.stream(prompts, max_new_tokens, eos_token_id, do_sample, temperature, top_k, top_p,
+                                 domains, capture_layers):
+            if event.error is not None:
+                results[event.request] = event.error
+            else:
+                results[event.request] += event.tokens
+        return results
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _start_session(self, capture_layers: list[int] | None) -> None:
+        """Fresh request ids, ``stats`` and captured states; the hidden states every forward returns."""
         self.capture_layers = list(capture_layers) if capture_layers is not None else None
         self.captured_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         wanted = {i + 1 for i in self.layer_ids}
         if self.capture_layers is not None:
             wanted |= {i + 1 for i in self.capture_layers} | {self.final_state_index}
-        self.state_indices = sorted(wanted) or None  # hidden states every forward of this call returns
-        self.do_sample = do_sample
-        self.processors = self._processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-        results: list = [None] * len(prompts)
-        waiting = []
-        for index, prompt in enumerate(prompts):
-            error = self._validate(prompt, max_new_tokens)
-            if error is not None:
-                results[index] = error
-            else:
-                domain = domains[index] if domains is not None else None
-                waiting.append(_Row(index, list(map(int, prompt)), len(prompt), max_new_tokens, domain))
-        self.stats = []
+        self.state_indices = sorted(wanted) or None
+        self.stats: list[dict] = []
         self.peak_cache_length = 0
-        rows: list[_Row] = []
-        cache, valid = None, None
-        while waiting or rows:
-            joining = []
-            while waiting and len(rows) + len(joining) < self.max_batch_size:
-                joining.append(waiting.pop(0))
-            if joining:
-                cache, valid = self._join(rows, cache, valid, joining, eos)
-                rows += joining
-            cache, valid = self._step(rows, cache, valid, eos, queued=bool(waiting))
-            finished = [i for i, row in enumerate(rows) if self._finished(row, eos) and self._flushed(row)]
-            for i in finished:
-                row = rows[i]
-                results[row.index] = row.tokens
-                if self.capture_layers is not None:
-                    self.captured_states[row.index] = self._gather_captured(row)
-                self.stats.append({"index": row.index, "rounds": len(row.accepted), "accepted": row.accepted,
-                                   "drafter": row.arm,
-                                   "probes": {arm: tuple(score) for arm, score in row.arm_scores.items()}})
-            if finished:
-                keep = [i for i in range(len(rows)) if i not in finished]
-                rows = [rows[i] for i in keep]
-                if rows:
-                    cache.batch_select_indices(torch.tensor(keep, device=valid.device))
-                    valid = valid[keep]
-                else:
-                    cache, valid = None, None
-            if rows:
-                cache, valid = self._trim(cache, valid)
-                self.peak_cache_length = max(self.peak_cache_length, valid.shape[1])
-        return results
+        self._next_id = 0
 
-    # -- internals --------------------------------------------------------------------------
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _retire(self, row: _Row) -> None:
+        """Keep a finished request's statistics (and captured states)."""
+        if self.capture_layers is not None:
+            self.captured_states[row.index] = self._gather_captured(row)
+        self.stats.append({"index": row.index, "rounds": len(row.accepted), "accepted": row.accepted,
+                           "drafter": row.arm,
+                           "probes": {arm: tuple(score) for arm, score in row.arm_scores.items()}})
 
     @staticmethod
     def _processors(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
@@ -254,23 +360,24 @@ class SpeculativeEngine:
             processors.append(TopPLogitsWarper(top_p))
         return processors
 
-    def _choose(self, ids: list[int], logits: torch.Tensor) -> int:
+    @staticmethod
+    def _choose(row: _Row, ids: list[int], logits: torch.Tensor) -> int:
         """The target's token from one position's raw logits: argmax, or a sample of the processed ones."""
-        if not self.do_sample:
+        if not row.do_sample:
             return int(logits.argmax())
-        processed = self.processors(torch.tensor([ids], device=logits.device), logits[None].float())
+        processed = row.processors(torch.tensor([ids], device=logits.device), logits[None].float())
         return int(torch.multinomial(processed.softmax(-1), 1))
 
     def _accept(self, row: _Row, draft: list[int], logits: torch.Tensor) -> list[int]:
         """Tokens a row gains from its window's target logits: accepted drafts plus one target token."""
-        if not self.do_sample:
+        if not row.do_sample:
             accepted = 0
             while accepted < len(draft) and draft[accepted] == int(logits[accepted].argmax()):
                 accepted += 1
             return draft[:accepted] + [int(logits[accepted].argmax())]
         ids = list(row.tokens)
         for j, token in enumerate(draft):
-            p = self.processors(torch.tensor([ids], device=logits.device), logits[j][None].float()).softmax(-1)[0]
+            p = row.processors(torch.tensor([ids], device=logits.device), logits[j][None].float()).softmax(-1)[0]
             q = row.draft_logits[0, j].float().softmax(-1).to(p.device)
             if torch.rand(()) > min(1.0, float(p[token] / q[token])):
                 residual = (p - q).clamp_min(0)
@@ -278,7 +385,7 @@ class SpeculativeEngine:
                     residual = p
                 return draft[:j] + [int(torch.multinomial(residual / residual.sum(), 1))]
             ids.append(token)
-        return draft + [self._choose(ids, logits[len(draft)])]
+        return draft + [self._choose(row, ids, logits[len(draft)])]
 
     def _validate(self, prompt, max_new_tokens) -> EngineRequestError | None:
         vocab = self.target.config.get_text_config().vocab_size
@@ -293,8 +400,9 @@ class SpeculativeEngine:
             )
         return None
 
-    def _finished(self, row: _Row, eos: set[int]) -> bool:
-        return row.new_tokens >= row.max_new_tokens or (row.new_tokens > 0 and row.tokens[-1] in eos)
+    @staticmethod
+    def _finished(row: _Row) -> bool:
+        return row.new_tokens >= row.max_new_tokens or (row.new_tokens > 0 and row.tokens[-1] in row.eos)
 
     def _flushed(self, row: _Row) -> bool:
         return self.capture_layers is None or row.flushed
@@ -345,7 +453,7 @@ class SpeculativeEngine:
         merged = tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in layers)
         return SimpleNamespace(hidden_states=merged), lengths[-1] / sum(lengths)
 
-    def _join(self, rows, cache, valid, joining, eos):
+    def _join(self, rows, cache, valid, joining):
         """Prefill the joining prompts in their own cache, take their first token, merge the caches."""
         width = max(row.prompt_length for row in joining)
         device = self.target.device
@@ -358,7 +466,7 @@ class SpeculativeEngine:
         new_cache = DynamicCache(config=self.target.config)
         out = self._forward(ids, mask, positions, new_cache)
         for i, row in enumerate(joining):
-            row.tokens.append(self._choose(row.tokens, out.logits[i, row.prompt_length - 1]))
+            row.tokens.append(self._choose(row, row.tokens, out.logits[i, row.prompt_length - 1]))
             self._assign_drafters(row)
             self._queue_outputs(row, self._row_outputs(out, i, row.prompt_length))
             self._capture(row, out, i, row.prompt_length)
@@ -398,9 +506,9 @@ class SpeculativeEngine:
         return cache, valid[:, first:last]
 
     def _new_generator(self, row: _Row, drafter):
-        config = GenerationConfig(max_length=row.prompt_length + row.max_new_tokens, do_sample=self.do_sample)
+        config = GenerationConfig(max_length=row.prompt_length + row.max_new_tokens, do_sample=row.do_sample)
         generator = drafter.get_candidate_generator(target=self.target, generation_config=config,
-                                                    logits_processor=self.processors)
+                                                    logits_processor=row.processors)
         generator.update_candidate_strategy(None, None, 0)  # the prefill round
         if self.policy is not None:
             # The batch policy cuts; the row's generator only reports its confidences.
@@ -521,16 +629,19 @@ class SpeculativeEngine:
         """Every active row's draft, and the shadow drafts of probing rows: each drafter ingests the
         new states of all its rows, then drafts for all of them, in batched calls (`observe_many`,
         `propose_many`), their time shared evenly."""
-        groups: dict[str, list[tuple[int, bool]]] = {}  # arm -> (row, verified?) of the rows it drafts for
+        # (arm, decoding) -> (row, verified?) of the rows it drafts for: a batched draft picks every
+        # row's tokens one way, so greedy and sampled rows (or rows with and without warpers) draft apart.
+        groups: dict[tuple[str, bool, bool], list[tuple[int, bool]]] = {}
         for i, (row, is_active) in enumerate(zip(rows, active)):
             if not is_active:
                 continue
+            decoding = (row.do_sample, len(row.processors) > 0)
             if row.generator is not None:
-                groups.setdefault(row.arm, []).append((i, True))
+                groups.setdefault((row.arm, *decoding), []).append((i, True))
             for arm in self._shadow_arms(row):
-                groups.setdefault(arm, []).append((i, False))
+                groups.setdefault((arm, *decoding), []).append((i, False))
         drafts: list[list[int]] = [[] for _ in rows]
-        for arm, members in groups.items():
+        for (arm, *_), members in groups.items():
             ids = [torch.tensor([rows[i].tokens], device=self.target.device) for i, _ in members]
             generators = [rows[i].generators[arm] for i, _ in members]
             start = time.perf_counter()
@@ -552,10 +663,10 @@ class SpeculativeEngine:
                     self._add_probe(row, arm, draft, caught_up + share)
         return drafts
 
-    def _step(self, rows, cache, valid, eos, queued: bool):
+    def _step(self, rows, cache, valid, queued: bool):
         """One verify forward for every active row: draft, verify, accept, mask the rejected slots;
         ``queued``: whether requests wait for a slot (the batch policy's objective depends on it)."""
-        active = [not self._finished(row, eos) for row in rows]
+        active = [not self._finished(row) for row in rows]
         # Finished rows whose last token's states are still wanted run it through once more.
         flushing = [not a and not self._flushed(row) for row, a in zip(rows, active)]
         policy = self.policy
@@ -615,7 +726,7 @@ class SpeculativeEngine:
                 outcome_arms.append(row.arm)
             new = new[: row.tokens_left]
             for j, token in enumerate(new):
-                if token in eos:
+                if token in row.eos:
                     new = new[: j + 1]
                     break
             row.tokens += new
@@ -631,7 +742,7 @@ class SpeculativeEngine:
                 for probe in row.probes:
                     if probe.verify_seconds is None:
                         probe.verify_seconds = verify_share
-                self._score_probes(row, ended=self._finished(row, eos))
+                self._score_probes(row, ended=self._finished(row))
         if policy is not None and drafting:
             policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows), queued=queued,
                            arms=outcome_arms)
