@@ -87,12 +87,13 @@ def build_demo(target, tokenizer, drafters: dict, cost_model=None) -> gr.Blocks:
         for plain in generate_view(target, inputs, int(max_new_tokens)):
             yield segments(tokenizer, plain), [], stats_markdown(plain, None, None), rounds_frame(None)
         if drafter_name == ROUTER:
-            speculative = engine_view(target, inputs, int(max_new_tokens), drafters, tokenizer.eos_token_id)
+            views = engine_view(target, inputs, int(max_new_tokens), drafters, tokenizer.eos_token_id)
         else:
-            speculative = RunView()
-            for speculative in generate_view(target, inputs, int(max_new_tokens), drafters[drafter_name], policy_for(dcut)):
-                yield (segments(tokenizer, plain), segments(tokenizer, speculative),
-                       stats_markdown(plain, speculative, None), rounds_frame(speculative))
+            views = generate_view(target, inputs, int(max_new_tokens), drafters[drafter_name], policy_for(dcut))
+        speculative = RunView()
+        for speculative in views:
+            yield (segments(tokenizer, plain), segments(tokenizer, speculative),
+                   stats_markdown(plain, speculative, None), rounds_frame(speculative))
         identical = plain.token_ids == speculative.token_ids
         yield (segments(tokenizer, plain), segments(tokenizer, speculative),
                stats_markdown(plain, speculative, identical), rounds_frame(speculative))

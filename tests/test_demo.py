@@ -38,6 +38,12 @@ def test_compare_and_the_router_view(targets):
     from angelspec_hf.evaluation import chat_inputs
 
     inputs = chat_inputs(tokenizer, "Add two numbers.")
-    routed = engine_view(target, inputs, 12, drafters)
+    lengths = []
+    for routed in engine_view(target, inputs, 12, drafters):
+        lengths.append(len(routed.token_ids))
     plain = target.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
     assert routed.token_ids == plain and len(routed.drafted) == len(plain)
+    # Streamed round by round: one view per verify round, each round at least the target's token.
+    assert len(lengths) == len(routed.accepted_per_round) - 1 and lengths == sorted(set(lengths))
+    assert routed.accepted_per_round[0] == 0 and sum(a + 1 for a in routed.accepted_per_round) == len(plain)
+    assert any(a > 0 for a in routed.accepted_per_round), "the router's drafts are accepted"

@@ -162,24 +162,24 @@ def compare(target, tokenizer, prompt: str, drafter, max_new_tokens: int = 64, p
     )
 
 
-def engine_view(target, inputs: dict, max_new_tokens: int, drafters: dict, eos_token_id=None) -> RunView:
-    """One request through `SpeculativeEngine` with online routing over ``drafters`` (not streamed)."""
+def engine_view(target, inputs: dict, max_new_tokens: int, drafters: dict, eos_token_id=None) -> Iterator[RunView]:
+    """Yield the growing `RunView` of one request through `SpeculativeEngine` with online routing
+    over ``drafters``, after every engine step (each step is one verify round of the request)."""
     from .generation import SpeculativeEngine
 
     prompt = inputs["input_ids"][0].tolist()
     engine = SpeculativeEngine(target, drafters, max_batch_size=1)
+    view = RunView()
     start = time.perf_counter()
     with torch.no_grad():
-        output = engine.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)[0]
-    view = RunView(seconds=time.perf_counter() - start)
-    if isinstance(output, Exception):
-        raise output
-    new = output[len(prompt):]
-    view.add_round(new[:1], speculative=True)  # the prefill's token
-    position = 1
-    for accepted in engine.stats[0]["accepted"]:
-        view.add_round(new[position : position + accepted + 1], speculative=True)
-        position += accepted + 1
-    for token in new[position:]:  # rounds after the router settled on "no drafter"
-        view.add_round([token], speculative=True)
-    return view
+        for event in engine.stream([prompt], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id):
+            if event.error is not None:
+                raise event.error
+            tokens = event.tokens
+            if not view.token_ids and tokens:
+                view.add_round(tokens[:1], speculative=True)  # the prefill's token, its own round
+                tokens = tokens[1:]
+            if tokens:
+                view.add_round(tokens, speculative=True)
+            view.seconds = time.perf_counter() - start
+            yield view
