@@ -3,7 +3,6 @@
 import copy
 import json
 import statistics
-import time
 
 import pytest
 import torch
@@ -129,7 +128,11 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets, tmp
 def test_paired_engine_runs_take_turns_by_time_spent(targets, monkeypatch):
     """AR and the drafter's engine share the machine step by step: whichever has spent less time
     steps next, so neither runs alone while the other still has work, and each is timed on its
-    own steps only."""
+    own steps only. The benchmark's clock is a fake one that each step advances (a drafting step
+    by two units, a plain one by one), so the turns do not depend on the machine's timing."""
+    from types import SimpleNamespace
+
+    from angelspec_hf import benchmark
     from angelspec_hf.benchmark import paired_engine_runs
     from angelspec_hf.generation import SpeculativeEngine
 
@@ -138,16 +141,15 @@ def test_paired_engine_runs_take_turns_by_time_spent(targets, monkeypatch):
     ids = [[5, 9, 13, 2], [7, 7, 3], [11, 4, 6, 8, 2]]
     expected = [plain_greedy(target, prompt, 12) for prompt in ids]
     turns = []
+    clock = [0.0]
     step = SpeculativeEngine.step
 
     def recorded(engine):
         turns.append("spec" if engine.drafters else "ar")
-        if engine.drafters:
-            time.sleep(0.06)  # a drafting step costs about two of the other's
-        else:
-            time.sleep(0.03)
+        clock[0] += 2.0 if engine.drafters else 1.0  # a drafting step costs two of the other's
         return step(engine)
 
+    monkeypatch.setattr(benchmark, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(SpeculativeEngine, "step", recorded)
     ar, spec = paired_engine_runs(target, drafter, None, 2, ids, 12, None, expected)
     assert ar["lossless"] and spec["lossless"] and spec["tau"] > 1.0 and ar["tau"] is None
@@ -157,7 +159,10 @@ def test_paired_engine_runs_take_turns_by_time_spent(targets, monkeypatch):
     # Equal time while both run: about two AR steps per drafting step, never a long run of one.
     assert 1.4 < overlap.count("ar") / overlap.count("spec") < 2.6, turns
     assert "spec, spec" not in ", ".join(overlap) and "ar, ar, ar, ar" not in ", ".join(overlap), turns
-    assert spec["tokens_per_s"] > 0 and ar["tokens_per_s"] > 0
+    # Each engine's throughput counts its own steps' time only.
+    new_tokens = len(ids) * 12
+    assert ar["tokens_per_s"] == pytest.approx(new_tokens / turns.count("ar"))
+    assert spec["tokens_per_s"] == pytest.approx(new_tokens / (2.0 * turns.count("spec")))
 
 
 def plain_greedy(target, prompt: list[int], new_tokens: int) -> list[int]:

@@ -217,7 +217,7 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def paired_engine_runs(target, drafter, cost_model, level: int, ids: list[list[int]], max_new_tokens: int, eos,
-                       expected: list) -> tuple[dict, dict]:
+                       expected: list) -> tuple[dict, dict | None]:
     """The whole workload through plain batched decoding and through ``drafter``'s engine at once,
     step by step in turn: (AR's result, the drafter's), each with throughput, tau, losslessness.
 

@@ -284,8 +284,6 @@ class SpeculativeEngine:
         self._start_session(capture_layers)
         settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=do_sample,
                         temperature=temperature, top_k=top_k, top_p=top_p)
-        if do_sample:
-            self._processors(temperature, top_k, top_p)  # a bad setting fails before any request is queued
         errors = []
         for index, prompt in enumerate(prompts):
             try:
