@@ -54,6 +54,36 @@ def test_rollouts_are_resumable_without_duplicates(targets, tmp_path):
     assert all(seq["loss_start"] == len(chat_prefix_ids(tokenizer, row["prompt"])) for seq, row in zip(sequences, rows))
 
 
+def test_interrupted_rollouts_keep_every_finished_row(targets, tmp_path, monkeypatch):
+    from angelspec_hf.generation.engine import SpeculativeEngine
+
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    prompts = [" ".join(f"w{(3 * i + j) % 90 + 6}" for j in range(2 + i % 3)) for i in range(7)]
+    out = tmp_path / "rollouts.jsonl"
+    step, steps = SpeculativeEngine.step, []
+
+    def interrupted_step(engine):
+        if len(steps) == 20:
+            raise KeyboardInterrupt
+        steps.append(1)
+        return step(engine)
+
+    monkeypatch.setattr(SpeculativeEngine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        generate_rollouts(target, tokenizer, prompts, out, max_new_tokens=8, batch_size=2)
+    # 20 steps of 2 rows finish some requests of 8 tokens, not all 7: those are on disk already.
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 0 < len(kept) < len(prompts)
+    monkeypatch.setattr(SpeculativeEngine, "step", step)
+    generate_rollouts(target, tokenizer, prompts, out, max_new_tokens=8, batch_size=2)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[: len(kept)] == kept and sorted(row["prompt"] for row in rows) == sorted(prompts)
+    fresh = tmp_path / "fresh.jsonl"
+    generate_rollouts(target, tokenizer, prompts, fresh, max_new_tokens=8, batch_size=2)
+    by_prompt = {row["prompt"]: row for row in map(json.loads, fresh.read_text().splitlines())}
+    assert all(by_prompt[row["prompt"]] == row for row in rows)
+
+
 def test_rollouts_keep_the_states_they_decode_for_training(targets, tmp_path):
     from angelspec_hf.training.features import FeatureCache, run_target
 

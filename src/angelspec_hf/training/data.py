@@ -33,7 +33,7 @@ def chat_prefix_ids(tokenizer, prompt: str) -> list[int]:
 
 def generate_rollouts(
     target, tokenizer, prompts: list[str], out_file: Path, max_new_tokens: int = 192, batch_size: int = 16,
-    domain: str = "", chunk_size: int | None = None, feature_caches: list = (), seq_len: int = 448,
+    domain: str = "", feature_caches: list = (), seq_len: int = 448,
 ) -> dict[str, float]:
     """Greedy target responses, appended to a JSONL file of token ids; resumable.
 
@@ -41,42 +41,46 @@ def generate_rollouts(
     where it stopped without duplicates. Decoding runs through `SpeculativeEngine` without a
     drafter: continuous batching, so a finished row leaves the batch at once and the next prompt
     takes its place (padded ``generate`` keeps decoding every row until the longest one ends).
-    Prompts are sorted by length; rows are written every ``chunk_size`` prompts (default 4
-    batches). Returns new tokens, seconds and tokens per second.
+    Prompts are sorted by length; each row is written (and the progress bar advances) as soon as
+    its request finishes, so an interruption loses only the rows still decoding. Returns new
+    tokens, seconds and tokens per second.
 
     ``feature_caches`` (`FeatureCache` objects) receive the target's states of each row as
     training will read it (`record_row` with ``seq_len``), captured while decoding: no second
     pass over the rollouts.
     """
-    from ..generation.engine import EngineRequestError, SpeculativeEngine
+    from ..generation.engine import SpeculativeEngine
 
     out_file.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if out_file.exists():
         done = {json.loads(line)["prompt"] for line in out_file.read_text().splitlines() if line.strip()}
     todo = sorted((p for p in dict.fromkeys(prompts) if p not in done), key=lambda p: len(chat_prefix_ids(tokenizer, p)))
+    prefixes = [chat_prefix_ids(tokenizer, p) for p in todo]
     engine = SpeculativeEngine(target, None, max_batch_size=batch_size)
     capture = sorted({i for cache in feature_caches for i in cache.layer_ids}) if feature_caches else None
-    chunk_size = chunk_size or 4 * batch_size
+    responses: dict[int, list[int]] = {}
     new_tokens, start = 0, time.perf_counter()
     with open(out_file, "a") as sink, tqdm(total=len(todo), desc=f"rollouts {out_file.name}", unit="prompt") as bar:
-        for first in range(0, len(todo), chunk_size):
-            batch = todo[first : first + chunk_size]
-            prefixes = [chat_prefix_ids(tokenizer, p) for p in batch]
-            outputs = engine.generate(prefixes, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                                      capture_layers=capture)
-            for index, (prompt, prefix, output) in enumerate(zip(batch, prefixes, outputs)):
-                if isinstance(output, EngineRequestError):
-                    logger.warning("Skipping a prompt the target cannot continue: %s", output)
-                    continue
-                response = _strip_after_eos(output[len(prefix):], tokenizer.eos_token_id)
-                new_tokens += len(response)
-                record = {"prompt": prompt, "domain": domain, "prompt_ids": prefix, "response_ids": response}
-                if capture is not None:
-                    _store_captured(feature_caches, capture, engine.captured_states[index], record_row(record, seq_len))
-                sink.write(json.dumps(record) + "\n")
+        for event in engine.stream(prefixes, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                   capture_layers=capture):
+            responses.setdefault(event.request, []).extend(event.tokens)
+            if not event.finished:
+                continue
+            bar.update(1)
+            response = responses.pop(event.request)
+            states = engine.captured_states.pop(event.request, None)
+            if event.error is not None:
+                logger.warning("Skipping a prompt the target cannot continue: %s", event.error)
+                continue
+            response = _strip_after_eos(response, tokenizer.eos_token_id)
+            new_tokens += len(response)
+            record = {"prompt": todo[event.request], "domain": domain, "prompt_ids": prefixes[event.request],
+                      "response_ids": response}
+            if capture is not None:
+                _store_captured(feature_caches, capture, states, record_row(record, seq_len))
+            sink.write(json.dumps(record) + "\n")
             sink.flush()
-            bar.update(len(batch))
             bar.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
     seconds = time.perf_counter() - start
     return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0}
