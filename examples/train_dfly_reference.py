@@ -75,7 +75,9 @@ target's states per row on disk, ``--rollouts DIR`` (repeatable) reads the rollo
 instead of ``data/rollouts/SmolLM2-135M-Instruct`` (for example with the code and math Magpie rollouts
 as well, see data/README.md). ``--bf16`` trains in mixed precision (the drafter's matmuls in
 bfloat16; soft labels and weights float32), 1.4x (DFly) to 1.6x (MTP) faster steps on this AMX CPU.
-``--weight-decay W`` sets AdamW's decoupled weight decay (default 0).
+``--weight-decay W`` sets AdamW's decoupled weight decay (default 0). ``--rollout-length N`` cuts
+rollout rows (prompt + response) at N tokens (default 448); rows whose prompt alone is longer train
+nothing, so the LiveCodeBench rollouts (prompts of 752 tokens at the median) need about 1024.
 ``--resume`` continues stage 1 from its last Trainer checkpoint (``out/checkpoints-lk``) after an
 interruption; pass the same ``--from``/``--grow`` so that the model has the checkpoint's shape.
 One torch thread, so that a second run can use the other core.
@@ -104,7 +106,8 @@ rollout_dirs = [Path(d) for d in options("--rollouts")] or [Path("data/rollouts/
 
 
 def read_rollouts() -> list[dict]:
-    return rollout_sequences(sorted(f for d in rollout_dirs for f in d.glob("*.jsonl")), seq_len=448)
+    return rollout_sequences(sorted(f for d in rollout_dirs for f in d.glob("*.jsonl")),
+                             seq_len=int(option("--rollout-length", 448)))
 
 
 rollouts = read_rollouts()
