@@ -22,6 +22,6 @@ from angelspec_hf.reference import load_reference_target  # noqa: E402
 
 path, domains = sys.argv[1], sys.argv[2:] or ["chat", "code", "math"]
 target, tokenizer = load_reference_target()
-drafter = AutoModel.from_pretrained(path).eval()
+drafter = AutoModel.from_pretrained(path, dtype=target.dtype).eval()  # saved in bfloat16; draft in the target's dtype
 runs = run_benchmark(target, tokenizer, {os.path.basename(path.rstrip("/")): drafter}, domains, per_set=2, max_new_tokens=96)
 print(format_table(summarise(runs)))

@@ -15,7 +15,7 @@ from angelspec_hf import DFlyDrafter
 from angelspec_hf.reference import load_reference_target
 
 target, tokenizer = load_reference_target()
-drafter = AutoModel.from_pretrained(sys.argv[1]) if len(sys.argv) > 1 else DFlyDrafter.from_target(target, block_size=8)
+drafter = AutoModel.from_pretrained(sys.argv[1], dtype=target.dtype) if len(sys.argv) > 1 else DFlyDrafter.from_target(target, block_size=8)
 messages = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 

@@ -17,7 +17,7 @@ from angelspec_hf.reference import REFERENCE_TARGET_ID, load_reference_target
 from angelspec_hf.training.data import chat_prefix_ids
 
 target, tokenizer = load_reference_target()
-drafter = AutoModel.from_pretrained(sys.argv[1]).eval() if len(sys.argv) > 1 else None
+drafter = AutoModel.from_pretrained(sys.argv[1], dtype=target.dtype).eval() if len(sys.argv) > 1 else None
 prompts = domain_prompts("code", "eval", per_set=4)
 ids = [chat_prefix_ids(tokenizer, prompt) for prompt in prompts]
 

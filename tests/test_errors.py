@@ -101,3 +101,23 @@ def test_corrupt_config(saved_drafter):
     (saved_drafter / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="conditioning must be one of"):
         AutoModel.from_pretrained(saved_drafter)
+
+
+@pytest.mark.parametrize("native_bf16, drafter_dtype, warns", [
+    (False, torch.bfloat16, True), (True, torch.bfloat16, False), (False, torch.float32, False)])
+def test_drafting_in_emulated_bfloat16_warns_once_with_the_fix(targets, monkeypatch, caplog, native_bf16,
+                                                                 drafter_dtype, warns):
+    from angelspec_hf import modeling_angelspec_common as common
+
+    monkeypatch.setattr(common, "cpu_has_bfloat16_units", lambda: native_bf16)
+    target = targets.target("llama")
+    drafter = DFlyDrafter.from_target(target).to(drafter_dtype)
+    plain = target.generate(PROMPT, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    with caplog.at_level("WARNING", logger=common.logger.name):
+        outputs = [generate(target, drafter) for _ in range(2)]
+    messages = [r.getMessage() for r in caplog.records if "drafts in" in r.getMessage()]
+    # A slower draft, never other tokens: the target verifies.
+    assert all(torch.equal(out, plain) for out in outputs)
+    assert len(messages) == (1 if warns else 0)
+    if warns:
+        assert "torch.bfloat16" in messages[0] and "dtype=target.dtype" in messages[0]

@@ -18,6 +18,7 @@ from datasets import Dataset
 from transformers import TrainingArguments
 
 from ..errors import DrafterConfigError
+from ..modeling_angelspec_common import cpu_has_bfloat16_units
 from ..modeling_angelspec_dfly import DFlyDrafter
 from ..modeling_angelspec_mtp import MTPDrafter
 from .block import grow_layers
@@ -73,14 +74,6 @@ class Recipe:
     # stay float32, and the target's states and soft labels are computed without autocast, as
     # inference sees them. Measured on this CPU (AMX), one thread: DFly steps 1.4x, MTP-TTT3 steps 1.6x faster.
     bf16: bool = False
-
-
-def cpu_has_bfloat16_units() -> bool:
-    """Whether oneDNN runs bfloat16 matmuls natively on this CPU (AVX-512 or AMX), not emulated."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def training_arguments(recipe: Recipe, output_dir: Path, steps: int, learning_rate: float) -> TrainingArguments:
