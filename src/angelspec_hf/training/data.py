@@ -55,8 +55,9 @@ def generate_rollouts(
     done = set()
     if out_file.exists():
         done = {json.loads(line)["prompt"] for line in out_file.read_text().splitlines() if line.strip()}
-    todo = sorted((p for p in dict.fromkeys(prompts) if p not in done), key=lambda p: len(chat_prefix_ids(tokenizer, p)))
-    prefixes = [chat_prefix_ids(tokenizer, p) for p in todo]
+    prefix_of = {p: chat_prefix_ids(tokenizer, p) for p in dict.fromkeys(prompts) if p not in done}
+    todo = sorted(prefix_of, key=lambda p: len(prefix_of[p]))
+    prefixes = [prefix_of[p] for p in todo]
     engine = SpeculativeEngine(target, None, max_batch_size=batch_size)
     capture = sorted({i for cache in feature_caches for i in cache.layer_ids}) if feature_caches else None
     responses: dict[int, list[int]] = {}
