@@ -39,6 +39,11 @@
         --corpus data/corpus/SmolLM2-135M-Instruct --cache feature-cache --bf16 \\
         --rollouts data/rollouts/SmolLM2-135M-Instruct --rollouts data/rollouts/SmolLM2-135M-Instruct-code \\
         --rollouts data/rollouts/SmolLM2-135M-Instruct-math
+    python examples/train_dfly_reference.py dfly-code modeling-runs/dfly12 3000 0 0 \\
+        --from modeling/SmolLM2-135M-Instruct-AngelSpec-DFly-Block8 --lr 5e-4 --code-seed 1 --seed 11 \\
+        --cache feature-cache --rollouts data/rollouts/SmolLM2-135M-Instruct \\
+        --rollouts data/rollouts/SmolLM2-135M-Instruct-code --rollouts data/rollouts/SmolLM2-135M-Instruct-math \\
+        --rollout-length 1024
 
 The first command trained the first shipped DFly drafter (over the full vocabulary; its 8192-token
 draft vocabulary was set afterwards with `angelspec-hf draft-vocab`); the second continued it
@@ -60,7 +65,11 @@ and the ninth made a second pass in a new row order into the shipped one (`model
 33 minutes). The last command (2026-12-03, after 450 more steered math rollouts joined the math
 folder) continued the shipped DFlash baseline into the one shipped now (39 minutes); the same
 command with `dfly-code` and the DFly drafter (`modeling-runs/dfly11`) did not improve held-out tau
-and was not shipped (README, "Trained drafters").
+and was not shipped (README, "Trained drafters"). The last (2026-12-04, after the MATH-500 and
+LiveCodeBench training-split rollouts joined the code and math folders) trained both shipped drafters,
+DFly and (with ``dflash-code``, ``modeling-runs/dflash12``) DFlash, on the rollouts alone (no corpus,
+``corpus_tokens`` 0) cut at 1024 tokens, into the ones shipped now (55 / 50 minutes side by side, after
+``--fill-cache 0/2`` and ``1/2`` with the same arguments filled the feature cache in 33 minutes).
 
 Stage 1 (LK + D-PACE) runs on standard-library code framed as replies to the training split of
 the code prompts (``corpus_tokens`` of it, files in ``--code-seed`` order), the target's code and
@@ -80,8 +89,8 @@ rollout rows (prompt + response) at N tokens (default 448); rows whose prompt al
 nothing, so the LiveCodeBench rollouts (prompts of 752 tokens at the median) need about 1024.
 ``--fill-cache I/N`` (with ``--cache DIR`` and the run's other arguments) only computes the target's
 states of part I of N of the rows the run reads and exits: on a fresh machine run ``0/2`` and ``1/2``
-side by side first (one per core; 2026-12-04, this AVX2-only EPYC: about 250 tokens/s each, about an
-hour for the three rollout folders, the math corpus and 100k tokens of code), since two training runs
+side by side first (one per core; 2026-12-04, this AVX2-only EPYC: 250-325 tokens/s each, 33 minutes for the
+three rollout folders at 1024 tokens, about an hour with the math corpus and 100k tokens of code as well), since two training runs
 side by side otherwise both compute the same missing states, at 6-10 s a step instead of about 1.
 ``--resume`` continues stage 1 from its last Trainer checkpoint (``out/checkpoints-lk``) after an
 interruption; pass the same ``--from``/``--grow`` so that the model has the checkpoint's shape.
