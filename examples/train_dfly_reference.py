@@ -89,8 +89,9 @@ rollout rows (prompt + response) at N tokens (default 448); rows whose prompt al
 nothing, so the LiveCodeBench rollouts (prompts of 752 tokens at the median) need about 1024.
 ``--fill-cache I/N`` (with ``--cache DIR`` and the run's other arguments) only computes the target's
 states of part I of N of the rows the run reads and exits: on a fresh machine run ``0/2`` and ``1/2``
-side by side first (one per core; 2026-12-04, this AVX2-only EPYC: 250-325 tokens/s each, 33 minutes for the
-three rollout folders at 1024 tokens, about an hour with the math corpus and 100k tokens of code as well), since two training runs
+side by side first (one per core; 2026-12-04: about 250 tokens/s each on an AVX2-only EPYC, about an
+hour with the math corpus and 100k tokens of code; 321-325 on an avx512_bf16 EPYC, 33 minutes for the
+three rollout folders alone at 1024 tokens), since two training runs
 side by side otherwise both compute the same missing states, at 6-10 s a step instead of about 1.
 ``--resume`` continues stage 1 from its last Trainer checkpoint (``out/checkpoints-lk``) after an
 interruption; pass the same ``--from``/``--grow`` so that the model has the checkpoint's shape.
