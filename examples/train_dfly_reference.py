@@ -68,8 +68,10 @@ command with `dfly-code` and the DFly drafter (`modeling-runs/dfly11`) did not i
 and was not shipped (README, "Trained drafters"). The last (2026-12-04, after the MATH-500 and
 LiveCodeBench training-split rollouts joined the code and math folders) trained both shipped drafters,
 DFly and (with ``dflash-code``, ``modeling-runs/dflash12``) DFlash, on the rollouts alone (no corpus,
-``corpus_tokens`` 0) cut at 1024 tokens, into the ones shipped now (55 / 50 minutes side by side, after
+``corpus_tokens`` 0) cut at 1024 tokens (55 / 50 minutes side by side, after
 ``--fill-cache 0/2`` and ``1/2`` with the same arguments filled the feature cache in 33 minutes).
+Those two were continued on one GPU with 1.41M tokens of new rollouts into the ones shipped now:
+`examples/gpu_rollouts_and_train.py` (its docstring has the commands).
 
 Stage 1 (LK + D-PACE) runs on standard-library code framed as replies to the training split of
 the code prompts (``corpus_tokens`` of it, files in ``--code-seed`` order), the target's code and

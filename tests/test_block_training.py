@@ -293,3 +293,22 @@ def test_train_command_rewires_an_mtp_drafter_to_other_target_layers(targets, mo
     assert [cache.layer_ids for cache in caches.values()] == [[0, 2], [0, 2]]
     assert cli.recipe_feature_caches(target, str(tmp_path / "cache"), ["mtp-chat"])["mtp-chat"].layer_ids == \
         MTPDrafter.from_target(target).config.target_layer_ids
+
+
+def test_wall_clock_deadline_stops_a_stage_early_and_the_drafter_is_still_saved(targets, tmp_path):
+    """`WallClockDeadline` ends the stage at the next step boundary once its time has passed, and
+    `train_drafter` saves what was trained; a deadline not reached changes nothing."""
+    import time
+
+    from angelspec_hf.training.trainer import WallClockDeadline
+
+    target = targets.target("llama")
+    rows = [{"input_ids": row.tolist(), "loss_start": PROMPT_LENGTH} for row in targets.sequences("llama")]
+    recipe = Recipe(name="dflash-code", block_size=4, num_hidden_layers=1, lk_steps=20, tv_steps=0, batch_size=2,
+                    num_anchors=4, logging_steps=1)
+    passed, later = WallClockDeadline(time.time() - 1), WallClockDeadline(time.time() + 3600)
+    train_drafter(target, rows, tmp_path / "stopped", recipe, pad_token_id=0, callbacks=[passed])
+    train_drafter(target, rows, tmp_path / "full", recipe, pad_token_id=0, callbacks=[later])
+    assert passed.stopped_at == 1 and later.stopped_at is None
+    stopped, full = (AutoModel.from_pretrained(tmp_path / run / "final") for run in ("stopped", "full"))
+    assert any(not torch.equal(a, b) for a, b in zip(stopped.parameters(), full.parameters()))

@@ -182,13 +182,15 @@ def token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
 def train_drafter(
     target, train_rows: list[dict], output_dir: str | os.PathLike, recipe: Recipe,
     pad_token_id: int, finish_rows: list[dict] | None = None, resume: bool = False,
-    drafter=None,
+    drafter=None, callbacks: list | None = None,
 ):
     """Train a drafter for ``target``; saves ``output_dir/lk`` and ``output_dir/final``.
 
     ``train_rows`` feed the LK stage, ``finish_rows`` (default: the same) the TV stage: target
     rollouts are the natural finish because they match the deployed distribution. A ``drafter``
-    given continues training (for example the TV stage alone on data that arrived later).
+    given continues training (for example the TV stage alone on data that arrived later);
+    ``callbacks`` (``transformers.TrainerCallback``) join every stage's Trainer, for example
+    `WallClockDeadline` on a machine rented by the hour.
     """
     if recipe.name not in RECIPES:
         raise ValueError(f"unknown recipe {recipe.name!r}; choose one of {sorted(RECIPES)}.")
@@ -207,7 +209,7 @@ def train_drafter(
         trainer = DrafterTrainer(
             model=drafter, args=training_arguments(recipe, stage_dir, steps, learning_rate), train_dataset=dataset,
             data_collator=collator, target=target, objective=objective, num_anchors=recipe.num_anchors, eta=recipe.eta,
-            feature_cache=recipe.feature_cache, **trainer_options,
+            feature_cache=recipe.feature_cache, callbacks=callbacks, **trainer_options,
         )
         checkpoint = resume and any(stage_dir.glob("checkpoint-*"))
         trainer.train(resume_from_checkpoint=True if checkpoint else None)

@@ -8,10 +8,11 @@ saved) and run on the fly for features and soft labels, or once per row with a `
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from .block import block_loss, sample_anchors
 from .features import FeatureCache, run_target
@@ -93,3 +94,23 @@ class DrafterTrainer(Trainer):
             self._metric_sums.clear()
             self._metric_count = 0
         super().log(logs, *args, **kwargs)
+
+
+class WallClockDeadline(TrainerCallback):
+    """Ends training at the first step boundary past ``deadline`` (a `time.time()` value).
+
+    For machines lent or rented for a fixed time: the stage stops early instead of being killed,
+    so `train_drafter` still saves the drafter. The learning-rate schedule is not shortened: size
+    ``max_steps`` to the time and keep this as the guard. The step it stopped at is logged.
+    """
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.stopped_at: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.time() >= self.deadline and not control.should_training_stop:
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+            logger.warning("Wall-clock deadline reached: training stops at step %d of %d.", state.global_step, state.max_steps)
+        return control

