@@ -127,6 +127,14 @@ def exact_float32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def reference_target_exact():
+    """The reference target in float32 on the GPU when there is one (else the CPU), without TF32."""
+    from angelspec_hf.reference import load_reference_target
+
+    exact_float32()
+    return load_reference_target(torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(row) for row in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -137,16 +145,16 @@ def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return ids.to(device), mask.to(device)
 
 
-def continuations(target, prefixes: list[list[int]], max_new_tokens: int, eos: int, **sampling) -> list[list[int] | None]:
-    """Each prefix's new tokens up to and including EOS (None where EOS never came), one padded batch."""
+def continuations(target, prefixes: list[list[int]], max_new_tokens: int, eos: int, **options) -> list[list[int]]:
+    """Each prefix's new tokens from one left-padded `generate` call, cut after EOS where it came
+    (the padding after it dropped); a row without EOS ran into ``max_new_tokens``."""
+    from angelspec_hf.training.data import strip_after_eos
+
     ids, mask = left_padded(prefixes, eos, target.device)
     with torch.no_grad():
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                              eos_token_id=eos, pad_token_id=eos, **sampling)
-    results = []
-    for row in out[:, ids.shape[1]:].tolist():
-        results.append(row[: row.index(eos) + 1] if eos in row else None)
-    return results
+                              eos_token_id=eos, pad_token_id=eos, **options)
+    return [strip_after_eos(row, eos) for row in out[:, ids.shape[1]:].tolist()]
 
 
 def known_prompts() -> set[str]:
@@ -172,7 +180,7 @@ def synthesize(target, tokenizer, rows_per_opening: int, seed: int, known: set[s
     found = []
     for index, turn in enumerate(turns):
         domain, opening_ids, limit = openings[index // rows_per_opening]
-        if turn is None or len(turn) > limit:
+        if turn[-1:] != [eos] or len(turn) > limit:
             continue  # cut off, or longer than the opening's kind of request
         text = tokenizer.decode(opening_ids + turn[:-1], skip_special_tokens=True).strip()
         if len(text) >= 12 and text not in known:
@@ -190,12 +198,8 @@ def answer(target, tokenizer, prompts: list[tuple[str, str]], sinks: dict, batch
     tokens = 0
     for start in range(0, len(prefixed), batch_rows):
         batch = prefixed[start:start + batch_rows]
-        ids, mask = left_padded([p for *_, p in batch], eos, target.device)
-        with torch.no_grad():
-            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                  eos_token_id=eos, pad_token_id=eos)
-        for (domain, text, prefix), row in zip(batch, out[:, ids.shape[1]:].tolist()):
-            response = row[: row.index(eos) + 1] if eos in row else row
+        responses = continuations(target, [prefix for *_, prefix in batch], max_new_tokens, eos, do_sample=False)
+        for (domain, text, prefix), response in zip(batch, responses):
             tokens += len(response)
             sinks[domain].write(json.dumps({"prompt": text, "domain": domain, "prompt_ids": prefix,
                                             "response_ids": response}) + "\n")
@@ -205,11 +209,8 @@ def answer(target, tokenizer, prompts: list[tuple[str, str]], sinks: dict, batch
 
 
 def run_rollouts(out: Path, seconds: float, rows_per_opening: int, batch_rows: int, seed: int) -> None:
-    from angelspec_hf.reference import load_reference_target
-
-    exact_float32()
     deadline = time.time() + seconds
-    target, tokenizer = load_reference_target(torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = reference_target_exact()
     known = known_prompts()
     log(f"target loaded; {len(known)} prompts known")
     sinks = {}
@@ -230,13 +231,11 @@ def run_rollouts(out: Path, seconds: float, rows_per_opening: int, batch_rows: i
 
 def run_training(recipe_name: str, source: str, out: Path, steps: int, batch_size: int, folders: list[str],
                  deadline: float | None, learning_rate: float, seed: int) -> None:
-    from angelspec_hf.reference import load_reference_target
     from angelspec_hf.training.data import rollout_sequences
     from angelspec_hf.training.recipes import Recipe, continued_drafter, train_drafter
     from angelspec_hf.training.trainer import WallClockDeadline
 
-    exact_float32()
-    target, tokenizer = load_reference_target(torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = reference_target_exact()
     rows = rollout_sequences(sorted(f for d in folders for f in Path(d).rglob("*.jsonl")), seq_len=1024)
     log(f"{recipe_name}: {len(rows)} rows, {sum(len(r['input_ids']) - r['loss_start'] for r in rows)} trained tokens")
     recipe = Recipe(name=recipe_name, lk_steps=steps, tv_steps=0, batch_size=batch_size, num_anchors=24,
@@ -347,16 +346,17 @@ def run_job(job: Path, gen_seconds: float, train_seconds: float, steps: int, bat
         shutil.copytree(weights_root / directory, directory, dirs_exist_ok=True)
     train_until = time.time() + 45 + train_seconds  # 45 s: each run loads the target and the rows first
     log(f"weights here; training both drafters for {steps} steps, until {time.strftime('%H:%M:%S', time.localtime(train_until))}")
-    runs = []
+    runs, sinks = [], []
     for name, source in SHIPPED.items():
-        sink = open(job / f"train-{name}.log", "w")
+        sinks.append(open(job / f"train-{name}.log", "w"))
         command = [sys.executable, script, "train", name, source, str(job / name), "--steps", str(steps),
                    "--batch-size", str(batch_size), "--deadline", str(train_until), "--seed", str(seed), "--lr", str(lr)]
         for folder in [*ROLLOUT_FOLDERS, str(job / "new")]:
             command += ["--rollouts", folder]
-        runs.append(subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env))
-    for run in runs:
+        runs.append(subprocess.Popen(command, stdout=sinks[-1], stderr=subprocess.STDOUT, env=env))
+    for run, sink in zip(runs, sinks):
         run.wait()
+        sink.close()
     package(job)
     log("packed")
 
@@ -371,9 +371,8 @@ def package(job: Path) -> None:
     for name in SHIPPED:
         if (job / name / "final-bf16").exists():
             shutil.copytree(job / name / "final-bf16", keep / name)
-        for extra in ("summary.json",):
-            if (job / name / extra).exists():
-                shutil.copy(job / name / extra, keep / f"{name}-{extra}")
+        if (job / name / "summary.json").exists():
+            shutil.copy(job / name / "summary.json", keep / f"{name}-summary.json")
         states = sorted((job / name).glob("checkpoints-lk/checkpoint-*/trainer_state.json"))
         if states:
             shutil.copy(states[-1], keep / f"{name}-trainer_state.json")

@@ -74,7 +74,7 @@ def generate_rollouts(
             if event.error is not None:
                 logger.warning("Skipping a prompt the target cannot continue: %s", event.error)
                 continue
-            response = _strip_after_eos(response, tokenizer.eos_token_id)
+            response = strip_after_eos(response, tokenizer.eos_token_id)
             new_tokens += len(response)
             record = {"prompt": todo[event.request], "domain": domain, "prompt_ids": prefixes[event.request],
                       "response_ids": response}
@@ -97,7 +97,7 @@ def _store_captured(caches: list, captured_layers: list[int], states: tuple[torc
         cache.store(token_ids, features[picks, :length], final[:length])
 
 
-def _strip_after_eos(row: list[int], eos: int | None) -> list[int]:
+def strip_after_eos(row: list[int], eos: int | None) -> list[int]:
     if eos is not None and eos in row:
         return row[: row.index(eos) + 1]
     return row
