@@ -1,4 +1,4 @@
-"""Rollouts and block-drafter training on one GPU, for a GPU lent for minutes rather than hours.
+"""Rollouts and drafter training on one GPU, for a GPU lent for minutes rather than hours.
 
 On the 2-core CPU the data is the limit: the target answers at 100-400 tokens/s, and the shipped
 block drafters gain 1.5-3% of held-out tau from each batch of about 100k new rollout tokens. One GPU
@@ -26,10 +26,30 @@ on the fly, so this script does both in one job, time-boxed:
         the training logs, and JOB/DONE. ``--steps auto`` sizes the steps to ``--train-seconds``
         from the smoke test's step time (``--sharing 1.5``: two runs share the GPU); the deadline
         guards it either way. ``package JOB`` packs what a stopped job left.
-    python examples/gpu_rollouts_and_train.py smoke OUT
+    python examples/gpu_rollouts_and_train.py smoke OUT [--kind block|mtp]
         A minute's check of a fresh machine before the job: a random-weight target of the reference
-        shape on the GPU, a few DFly and DFlash training steps at the job's batch size and one large
-        padded `generate`, timed (OUT/smoke.json); sizes ``--steps`` for the job.
+        shape on the GPU, a few training steps of each of the job's runs at its batch size and one
+        large padded `generate`, timed (OUT/smoke.json); sizes ``--steps`` for the job.
+
+The MTP chat drafter the same way (``--kind mtp``; ``--kind block`` is the default above):
+
+    python examples/gpu_rollouts_and_train.py rollouts OUT --domains chat
+        Magpie-style chat prompts: the bare user header and the 14 MT-Bench-like openings of
+        data/rollouts/*-chat-steered (OUT/chat/gpu-magpie-train.jsonl).
+    python examples/gpu_rollouts_and_train.py train mtp-chat FROM|scratch OUT --steps N --tv-steps M ...
+        N LK steps, then M end-to-end TV steps; OUT/lk-bf16 keeps the LK-only checkpoint beside
+        OUT/final-bf16 (the issue reports both). Rows are cut at 448 tokens, as the CPU MTP runs'.
+    python examples/gpu_rollouts_and_train.py job JOB --kind mtp [--start shipped|scratch] [--tv-fraction 0.2] ...
+        Chat rollouts, then `mtp-chat` (training-time test, depth 3) and `mtp-chat-nottt` (teacher
+        forcing only) side by side with the same rows, steps and seed, on the chat rollout folders,
+        the mixed one and the new rows. ``--start scratch`` trains both from new drafters (the
+        issue's clean TTT ablation; nothing to wait for), ``shipped`` continues the shipped MTP-TTT3
+        (the candidate to ship). A fifth of the steps are TV steps unless ``--tv-fraction`` says.
+        Written, and run end to end on the CPU with tiny settings (2026-12-04, session 38: smoke,
+        chat rollouts, both runs, package), not yet on a GPU.
+
+`package` also writes JOB/results.tgz in parts (JOB/results.tgz.part-NN, 15 MiB each: the device
+machine returns files of at most 16 MiB; ``cat`` them back together).
 
 The shipped DFly-Block8 and DFlash-Block8 (2026-12-04) came from one H200 lent for 15 minutes of
 device time, the repository sent over in three transfers (the reference wheel in two halves, the
@@ -60,6 +80,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -111,10 +132,42 @@ OPENINGS = [
         "A farmer has", "Sarah buys", "A baker makes", "John", "Maria", "There are", "A train",
         "Emma", "James", "A class of", "Lisa")),
 ]
+# Chat: the bare user header (plain Magpie) and the openings of data/rollouts/*-chat-steered, typical
+# of MT-Bench's categories (writing, role-play, reasoning, STEM, humanities); the evaluation is MT-Bench.
+OPENINGS += [("chat", opening, 128) for opening in (
+    "", "Imagine you are", "Act as a", "Write a persuasive", "Discuss", "Explain how", "Given the following",
+    "Write a short story about", "Compare and contrast", "Describe the", "Please explain the", "What are some",
+    "Suggest", "Create a", "Please take on the role of")]
 ROLLOUT_FOLDERS = ["data/rollouts/SmolLM2-135M-Instruct", "data/rollouts/SmolLM2-135M-Instruct-code",
                    "data/rollouts/SmolLM2-135M-Instruct-math"]
-SHIPPED = {"dfly-code": "modeling/SmolLM2-135M-Instruct-AngelSpec-DFly-Block8",
-           "dflash-code": "modeling/SmolLM2-135M-Instruct-AngelSpec-DFlash-Block8"}
+CHAT_FOLDERS = ["data/rollouts/SmolLM2-135M-Instruct-chat", "data/rollouts/SmolLM2-135M-Instruct-chat-steered",
+                "data/rollouts/SmolLM2-135M-Instruct"]
+MTP_SHIPPED = "modeling/SmolLM2-135M-Instruct-AngelSpec-MTP-TTT3"
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """What a `job` makes and trains: rollout domains, the runs trained side by side on them (recipe
+    -> shipped drafter it continues) and the rollout folders they read besides the new rows."""
+
+    domains: tuple[str, ...]
+    runs: dict[str, str]
+    folders: list[str]
+
+
+KINDS = {
+    # DFly and its DFlash baseline: the same data, steps and seed (the issue's pair).
+    "block": JobKind(("code", "math"), {"dfly-code": "modeling/SmolLM2-135M-Instruct-AngelSpec-DFly-Block8",
+                                        "dflash-code": "modeling/SmolLM2-135M-Instruct-AngelSpec-DFlash-Block8"},
+                     ROLLOUT_FOLDERS),
+    # MTP with training-time test and its teacher-forcing ablation, from the same start.
+    "mtp": JobKind(("chat",), {"mtp-chat": MTP_SHIPPED, "mtp-chat-nottt": MTP_SHIPPED}, CHAT_FOLDERS),
+}
+SHIPPED = KINDS["block"].runs
+# Rows are cut to this many tokens: the block runs' 1024, the CPU MTP runs' 448 (chat turns are short).
+ROW_TOKENS = {"dfly": 1024, "mtp": 448}
+# A new drafter's draft vocabulary, as the shipped ones have.
+DRAFT_VOCAB = {"dfly": 4096, "mtp": 8192}
 
 
 def log(message: str) -> None:
@@ -167,12 +220,14 @@ def known_prompts() -> set[str]:
     return known
 
 
-def synthesize(target, tokenizer, rows_per_opening: int, seed: int, known: set[str]) -> list[tuple[str, str]]:
-    """One round of Magpie prompts over every opening: ``(domain, prompt)`` pairs not in ``known``."""
+def synthesize(target, tokenizer, rows_per_opening: int, seed: int, known: set[str],
+               domains: tuple[str, ...] = ("code", "math")) -> list[tuple[str, str]]:
+    """One round of Magpie prompts over every opening of ``domains``: ``(domain, prompt)`` pairs not in ``known``."""
     from angelspec_hf.training.data import user_turn_prefix_ids
 
     header, eos = user_turn_prefix_ids(tokenizer), tokenizer.eos_token_id
-    openings = [(domain, tokenizer.encode(text, add_special_tokens=False), limit) for domain, text, limit in OPENINGS]
+    openings = [(domain, tokenizer.encode(text, add_special_tokens=False), limit)
+                for domain, text, limit in OPENINGS if domain in domains]
     prefixes = [header + ids for _, ids, _ in openings for _ in range(rows_per_opening)]
     torch.manual_seed(seed)
     turns = continuations(target, prefixes, max(limit for *_, limit in openings), eos,
@@ -208,18 +263,19 @@ def answer(target, tokenizer, prompts: list[tuple[str, str]], sinks: dict, batch
     return tokens
 
 
-def run_rollouts(out: Path, seconds: float, rows_per_opening: int, batch_rows: int, seed: int) -> None:
+def run_rollouts(out: Path, seconds: float, rows_per_opening: int, batch_rows: int, seed: int,
+                 domains: tuple[str, ...] = ("code", "math")) -> None:
     deadline = time.time() + seconds
     target, tokenizer = reference_target_exact()
     known = known_prompts()
     log(f"target loaded; {len(known)} prompts known")
     sinks = {}
-    for domain in ("code", "math"):
+    for domain in domains:
         (out / domain).mkdir(parents=True, exist_ok=True)
         sinks[domain] = open(out / domain / "gpu-magpie-train.jsonl", "a")
     total, round_index, start = 0, 0, time.time()
     while time.time() < deadline:
-        prompts = synthesize(target, tokenizer, rows_per_opening, seed + round_index, known)
+        prompts = synthesize(target, tokenizer, rows_per_opening, seed + round_index, known, domains)
         total += answer(target, tokenizer, prompts, sinks, batch_rows, 256)
         round_index += 1
         counts = {d: sum(1 for p in prompts if p[0] == d) for d in sinks}
@@ -229,24 +285,38 @@ def run_rollouts(out: Path, seconds: float, rows_per_opening: int, batch_rows: i
         sink.close()
 
 
+def training_recipe(recipe_name: str, steps: int, tv_steps: int, batch_size: int, learning_rate: float, seed: int):
+    """The recipe of a GPU run: LK for ``steps``, then end-to-end TV for ``tv_steps``; mixed precision on a GPU."""
+    from angelspec_hf.training.recipes import RECIPES, Recipe
+
+    family = RECIPES[recipe_name][0]
+    return Recipe(name=recipe_name, lk_steps=steps, tv_steps=tv_steps, batch_size=batch_size, num_anchors=24,
+                  num_draft_tokens=3, draft_vocab_size=DRAFT_VOCAB[family], logging_steps=25,
+                  learning_rate=learning_rate, seed=seed, bf16=torch.cuda.is_available())
+
+
 def run_training(recipe_name: str, source: str, out: Path, steps: int, batch_size: int, folders: list[str],
-                 deadline: float | None, learning_rate: float, seed: int) -> None:
+                 deadline: float | None, learning_rate: float, seed: int, tv_steps: int = 0) -> None:
+    """``source`` is a drafter to continue, or ``scratch`` for a new one (its draft vocabulary counted on the rows)."""
     from angelspec_hf.training.data import rollout_sequences
-    from angelspec_hf.training.recipes import Recipe, continued_drafter, train_drafter
+    from angelspec_hf.training.recipes import RECIPES, continued_drafter, train_drafter
     from angelspec_hf.training.trainer import WallClockDeadline
 
     target, tokenizer = reference_target_exact()
-    rows = rollout_sequences(sorted(f for d in folders for f in Path(d).rglob("*.jsonl")), seq_len=1024)
+    row_tokens = ROW_TOKENS[RECIPES[recipe_name][0]]
+    rows = rollout_sequences(sorted(f for d in folders for f in Path(d).rglob("*.jsonl")), seq_len=row_tokens)
     log(f"{recipe_name}: {len(rows)} rows, {sum(len(r['input_ids']) - r['loss_start'] for r in rows)} trained tokens")
-    recipe = Recipe(name=recipe_name, lk_steps=steps, tv_steps=0, batch_size=batch_size, num_anchors=24,
-                    logging_steps=25, learning_rate=learning_rate, seed=seed, bf16=torch.cuda.is_available())
-    drafter = continued_drafter(source, recipe)
+    recipe = training_recipe(recipe_name, steps, tv_steps, batch_size, learning_rate, seed)
+    drafter = None if source == "scratch" else continued_drafter(source, recipe)
     guard = WallClockDeadline(deadline if deadline is not None else float("inf"))
     start = time.time()
     drafter = train_drafter(target, rows, out, recipe, pad_token_id=tokenizer.eos_token_id, drafter=drafter,
                             callbacks=[guard])
     drafter.to(torch.bfloat16).save_pretrained(out / "final-bf16")
-    summary = {"recipe": recipe_name, "steps": steps, "stopped_at": guard.stopped_at, "seconds": time.time() - start,
+    if tv_steps > 0 and (out / "lk").exists():  # the LK-only checkpoint, for the TV stage's gain
+        type(drafter).from_pretrained(out / "lk").to(torch.bfloat16).save_pretrained(out / "lk-bf16")
+    summary = {"recipe": recipe_name, "source": source, "steps": steps, "tv_steps": tv_steps,
+               "stopped_at": guard.stopped_at, "seconds": time.time() - start,
                "rows": len(rows), "batch_size": batch_size, "learning_rate": learning_rate, "seed": seed}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log(f"{recipe_name}: {summary}")
@@ -268,12 +338,11 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def run_smoke(out: Path, batch_size: int, steps: int, generate_rows: tuple[int, ...]) -> None:
-    """Random weights of the reference shape: checks the CUDA paths and times them."""
-    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+def run_smoke(out: Path, batch_size: int, steps: int, generate_rows: tuple[int, ...], kind: JobKind = KINDS["block"]) -> None:
+    """Random weights of the reference shape: checks the CUDA paths and times them (each run of ``kind``)."""
+    from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
 
-    from angelspec_hf.modeling_angelspec_dfly import DFlyDrafter
-    from angelspec_hf.training.recipes import Recipe, train_drafter
+    from angelspec_hf.training.recipes import train_drafter
 
     exact_float32()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -286,10 +355,9 @@ def run_smoke(out: Path, batch_size: int, steps: int, generate_rows: tuple[int, 
     gen = torch.Generator().manual_seed(0)
     rows = [{"input_ids": torch.randint(3, 49152, (int(n),), generator=gen).tolist(), "loss_start": 120}
             for n in torch.randint(300, 1024, (256,), generator=gen)]
-    for name, source in SHIPPED.items():
-        drafter = DFlyDrafter(AutoConfig.from_pretrained(source)).float()
-        recipe = Recipe(name=name, lk_steps=steps, tv_steps=0, batch_size=batch_size, num_anchors=24,
-                        logging_steps=10, learning_rate=5e-4, bf16=device == "cuda")
+    for name, source in kind.runs.items():
+        drafter = AutoModel.from_config(AutoConfig.from_pretrained(source)).float().to(device)
+        recipe = replace(training_recipe(name, steps, 0, batch_size, 5e-4, 0), logging_steps=10)
         timer = StepTimes()
         train_drafter(target, rows, out / name, recipe, pad_token_id=2, drafter=drafter.train(), callbacks=[timer])
         warm = timer.times[len(timer.times) // 3:]  # the first steps pay for CUDA's start-up
@@ -322,90 +390,129 @@ def wait_for_weights(paths: list[Path], timeout: float) -> None:
     raise SystemExit(f"the drafter weights {paths} did not arrive within {timeout:.0f} s")
 
 
-def affordable_steps(smoke: Path, seconds: float, sharing: float) -> int:
-    """Steps that fit ``seconds`` at the smoke test's DFly step time, slowed ``sharing``-fold by the
-    second run on the same GPU (the slower drafter sets the count: both runs take the same steps)."""
+def affordable_steps(smoke: Path, seconds: float, sharing: float, runs=SHIPPED) -> int:
+    """Steps that fit ``seconds`` at the smoke test's step times of ``runs``, slowed ``sharing``-fold
+    by the second run on the same GPU (the slower drafter sets the count: both runs take the same steps)."""
     report = json.loads(smoke.read_text())
-    step = max(report["dfly-code_seconds_per_step"], report["dflash-code_seconds_per_step"])
+    missing = [name for name in runs if f"{name}_seconds_per_step" not in report]
+    if missing:
+        raise SystemExit(f"{smoke} has no step time for {missing}: run `smoke` with the job's --kind first")
+    step = max(report[f"{name}_seconds_per_step"] for name in runs)
     return max(int(seconds / (step * sharing)), 10)
 
 
+def stage_steps(steps: int, tv_fraction: float) -> tuple[int, int]:
+    """(LK, TV) steps of a run of ``steps`` in all, ``tv_fraction`` of them end-to-end TV."""
+    tv = int(steps * tv_fraction)
+    return steps - tv, tv
+
+
 def run_job(job: Path, gen_seconds: float, train_seconds: float, steps: int, batch_size: int, seed: int, lr: float,
-            weights_root: Path, rows_per_opening: int) -> None:
-    """Rollouts, then both drafters side by side; run from a copy of the repository's data and code."""
+            weights_root: Path, rows_per_opening: int, kind: str = "block", tv_fraction: float = 0.0,
+            start: str = "shipped") -> None:
+    """Rollouts, then both runs of ``kind`` side by side; run from a copy of the repository's data and code.
+    ``start``: continue the shipped drafters, or ``scratch`` (new drafters; no weights to wait for)."""
     job.mkdir(parents=True, exist_ok=True)
+    spec = KINDS[kind]
     script = str(Path(__file__).resolve())
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(job / "rollouts.log", "w") as sink:
         subprocess.run([sys.executable, script, "rollouts", str(job / "new"), "--seconds", str(gen_seconds),
-                        "--rows-per-opening", str(rows_per_opening)],
+                        "--rows-per-opening", str(rows_per_opening), "--domains", ",".join(spec.domains)],
                        stdout=sink, stderr=subprocess.STDOUT, env=env, check=False)
     log("rollouts done: " + ", ".join(f"{p.parent.name} {sum(1 for _ in p.open())} rows" for p in (job / "new").rglob("*.jsonl")))
-    wait_for_weights([weights_root / d / "model.safetensors" for d in SHIPPED.values()], timeout=300)
-    for directory in SHIPPED.values():
-        shutil.copytree(weights_root / directory, directory, dirs_exist_ok=True)
+    if start == "shipped":
+        sources = sorted(set(spec.runs.values()))
+        wait_for_weights([weights_root / d / "model.safetensors" for d in sources], timeout=300)
+        for directory in sources:
+            if (weights_root / directory).resolve() != Path(directory).resolve():
+                shutil.copytree(weights_root / directory, directory, dirs_exist_ok=True)
+    lk_steps, tv_steps = stage_steps(steps, tv_fraction)
     train_until = time.time() + 45 + train_seconds  # 45 s: each run loads the target and the rows first
-    log(f"weights here; training both drafters for {steps} steps, until {time.strftime('%H:%M:%S', time.localtime(train_until))}")
+    log(f"training {list(spec.runs)} for {lk_steps} LK + {tv_steps} TV steps from {start}, "
+        f"until {time.strftime('%H:%M:%S', time.localtime(train_until))}")
     runs, sinks = [], []
-    for name, source in SHIPPED.items():
+    for name, source in spec.runs.items():
         sinks.append(open(job / f"train-{name}.log", "w"))
-        command = [sys.executable, script, "train", name, source, str(job / name), "--steps", str(steps),
-                   "--batch-size", str(batch_size), "--deadline", str(train_until), "--seed", str(seed), "--lr", str(lr)]
-        for folder in [*ROLLOUT_FOLDERS, str(job / "new")]:
+        command = [sys.executable, script, "train", name, source if start == "shipped" else "scratch", str(job / name),
+                   "--steps", str(lk_steps), "--tv-steps", str(tv_steps), "--batch-size", str(batch_size),
+                   "--deadline", str(train_until), "--seed", str(seed), "--lr", str(lr)]
+        for folder in [*spec.folders, str(job / "new")]:
             command += ["--rollouts", folder]
         runs.append(subprocess.Popen(command, stdout=sinks[-1], stderr=subprocess.STDOUT, env=env))
     for run, sink in zip(runs, sinks):
         run.wait()
         sink.close()
-    package(job)
+    package(job, spec.runs)
     log("packed")
 
 
-def package(job: Path) -> None:
-    """Everything worth bringing back, small: new rollouts, bf16 drafters, logs and Trainer states."""
+# The device machine returns files of at most 16 MiB: the archive also comes in parts below that.
+PART_BYTES = 15 * 2**20
+
+
+def package(job: Path, runs=SHIPPED) -> None:
+    """Everything worth bringing back, small: new rollouts, bf16 drafters (and the first run's LK-only
+    checkpoint where a TV stage ran: the candidate to ship, whose TV gain the issue reports; three MTP
+    drafters and the rows fit the 64 MiB a device call returns, four did not), logs and Trainer
+    states, as JOB/results.tgz and its parts JOB/results.tgz.part-NN (``cat`` them back together)."""
     keep = job / "results"
     shutil.rmtree(keep, ignore_errors=True)
     keep.mkdir()
     if (job / "new").exists():
         shutil.copytree(job / "new", keep / "new")
-    for name in SHIPPED:
-        if (job / name / "final-bf16").exists():
-            shutil.copytree(job / name / "final-bf16", keep / name)
+    for index, name in enumerate(runs):
+        for saved, kept in (("final-bf16", name), ("lk-bf16", f"{name}-lk"))[:2 if index == 0 else 1]:
+            if (job / name / saved).exists():
+                shutil.copytree(job / name / saved, keep / kept)
         if (job / name / "summary.json").exists():
             shutil.copy(job / name / "summary.json", keep / f"{name}-summary.json")
-        states = sorted((job / name).glob("checkpoints-lk/checkpoint-*/trainer_state.json"))
-        if states:
-            shutil.copy(states[-1], keep / f"{name}-trainer_state.json")
+        for stage in ("lk", "tv"):
+            states = sorted((job / name).glob(f"checkpoints-{stage}/checkpoint-*/trainer_state.json"))
+            if states:
+                shutil.copy(states[-1], keep / f"{name}-{stage}-trainer_state.json")
     for path in job.glob("*.log"):
         shutil.copy(path, keep / path.name)
-    subprocess.run(["tar", "czf", str(job / "results.tgz"), "-C", str(job), "results"], check=True)
+    archive = job / "results.tgz"
+    subprocess.run(["tar", "czf", str(archive), "-C", str(job), "results"], check=True)
+    for old in job.glob("results.tgz.part-*"):
+        old.unlink()
+    data = archive.read_bytes()
+    for index, offset in enumerate(range(0, len(data), PART_BYTES)):
+        (job / f"results.tgz.part-{index:02d}").write_bytes(data[offset:offset + PART_BYTES])
     (job / "DONE").write_text("done\n")
 
 
 if __name__ == "__main__":
     command = sys.argv[1]
+    kind = option("--kind", "block")
+    if kind not in KINDS:
+        raise SystemExit(f"--kind must be one of {sorted(KINDS)}, got {kind!r}")
     if command == "smoke":
         out = Path(sys.argv[2])
         out.mkdir(parents=True, exist_ok=True)
         run_smoke(out, int(option("--batch-size", 32)), int(option("--steps", 30)),
-                  tuple(int(n) for n in option("--generate-rows", "1024,2048").split(",")))
+                  tuple(int(n) for n in option("--generate-rows", "1024,2048").split(",")), KINDS[kind])
     elif command == "rollouts":
         run_rollouts(Path(sys.argv[2]), float(option("--seconds", 200)), int(option("--rows-per-opening", 100)),
-                     int(option("--batch-rows", 1024)), int(option("--seed", 2026)))
+                     int(option("--batch-rows", 1024)), int(option("--seed", 2026)),
+                     tuple(option("--domains", "code,math").split(",")))
     elif command == "train":
         deadline = option("--deadline")
         run_training(sys.argv[2], sys.argv[3], Path(sys.argv[4]), int(option("--steps", 1000)),
                      int(option("--batch-size", 32)), options("--rollouts") or ROLLOUT_FOLDERS,
-                     float(deadline) if deadline else None, float(option("--lr", 5e-4)), int(option("--seed", 12)))
+                     float(deadline) if deadline else None, float(option("--lr", 5e-4)), int(option("--seed", 12)),
+                     int(option("--tv-steps", 0)))
     elif command == "job":
         train_seconds = float(option("--train-seconds", 300))
         steps = option("--steps", "auto")
-        steps = (affordable_steps(Path(option("--smoke")), train_seconds, float(option("--sharing", 1.5)))
+        steps = (affordable_steps(Path(option("--smoke")), train_seconds, float(option("--sharing", 1.5)), KINDS[kind].runs)
                  if steps == "auto" else int(steps))
         run_job(Path(sys.argv[2]), float(option("--gen-seconds", 200)), train_seconds, steps,
                 int(option("--batch-size", 32)), int(option("--seed", 12)), float(option("--lr", 5e-4)),
-                Path(option("--weights-from", ".")), int(option("--rows-per-opening", 100)))
+                Path(option("--weights-from", ".")), int(option("--rows-per-opening", 100)), kind,
+                float(option("--tv-fraction", 0.2 if kind == "mtp" else 0.0)), option("--start", "shipped"))
     elif command == "package":
-        package(Path(sys.argv[2]))
+        package(Path(sys.argv[2]), KINDS[kind].runs)
     else:
         raise SystemExit(__doc__)

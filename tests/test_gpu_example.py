@@ -46,3 +46,40 @@ def test_weights_that_never_arrive_end_the_job_with_their_paths(gpu_example, tmp
     missing = tmp_path / "modeling" / "model.safetensors"
     with pytest.raises(SystemExit, match="did not arrive"):
         gpu_example.wait_for_weights([missing], timeout=0)
+
+
+def test_steps_are_sized_by_the_runs_of_the_job_kind_and_a_smoke_of_another_kind_is_refused(gpu_example, tmp_path):
+    smoke = tmp_path / "smoke.json"
+    smoke.write_text(json.dumps({"mtp-chat_seconds_per_step": 0.4, "mtp-chat-nottt_seconds_per_step": 0.2}))
+    assert gpu_example.affordable_steps(smoke, 400, sharing=2.0, runs=gpu_example.KINDS["mtp"].runs) == 500
+    with pytest.raises(SystemExit, match="dfly-code"):
+        gpu_example.affordable_steps(smoke, 400, sharing=2.0)
+    assert gpu_example.stage_steps(500, 0.2) == (400, 100)
+    assert gpu_example.stage_steps(500, 0.0) == (500, 0)
+
+
+def test_a_job_is_packed_with_the_candidates_lk_checkpoint_in_parts_that_come_back_whole(gpu_example, tmp_path, monkeypatch):
+    import tarfile
+
+    job = tmp_path / "job"
+    for name in gpu_example.KINDS["mtp"].runs:
+        for saved in ("final-bf16", "lk-bf16"):
+            (job / name / saved).mkdir(parents=True)
+            (job / name / saved / "model.safetensors").write_bytes(torch.randint(0, 255, (3000,), dtype=torch.uint8).numpy().tobytes())
+        (job / name / "checkpoints-tv" / "checkpoint-9").mkdir(parents=True)
+        (job / name / "checkpoints-tv" / "checkpoint-9" / "trainer_state.json").write_text("{}")
+    (job / "new" / "chat").mkdir(parents=True)
+    (job / "new" / "chat" / "gpu-magpie-train.jsonl").write_text('{"prompt": "p"}\n')
+    monkeypatch.setattr(gpu_example, "PART_BYTES", 1000)
+    gpu_example.package(job, gpu_example.KINDS["mtp"].runs)
+    parts = sorted(job.glob("results.tgz.part-*"))
+    assert len(parts) > 1 and all(part.stat().st_size <= 1000 for part in parts)
+    whole = tmp_path / "whole.tgz"
+    whole.write_bytes(b"".join(part.read_bytes() for part in parts))
+    with tarfile.open(whole) as archive:
+        names = set(archive.getnames())
+    assert {"results/mtp-chat/model.safetensors", "results/mtp-chat-lk/model.safetensors",
+            "results/mtp-chat-nottt/model.safetensors", "results/mtp-chat-tv-trainer_state.json",
+            "results/new/chat/gpu-magpie-train.jsonl"} <= names
+    assert "results/mtp-chat-nottt-lk/model.safetensors" not in names, "the ablation's LK checkpoint stays behind"
+    assert (job / "DONE").exists()
