@@ -39,6 +39,8 @@ The MTP chat drafter the same way (``--kind mtp``; ``--kind block`` is the defau
     python examples/gpu_rollouts_and_train.py train mtp-chat FROM|scratch OUT --steps N --tv-steps M ...
         N LK steps, then M end-to-end TV steps; OUT/lk-bf16 keeps the LK-only checkpoint beside
         OUT/final-bf16 (the issue reports both). Rows are cut at 448 tokens, as the CPU MTP runs'.
+        ``--layers N``: a new drafter of N decoder layers, or the continued one grown to N (two MTP
+        layers did not help on the CPU's 1.2k steps, session 28; a GPU's 10x can say more).
     python examples/gpu_rollouts_and_train.py job JOB --kind mtp [--start shipped|scratch] [--tv-fraction 0.2] ...
         Chat rollouts, then `mtp-chat` (training-time test, depth 3) and `mtp-chat-nottt` (teacher
         forcing only) side by side with the same rows, steps and seed, on the chat rollout folders,
@@ -296,8 +298,11 @@ def training_recipe(recipe_name: str, steps: int, tv_steps: int, batch_size: int
 
 
 def run_training(recipe_name: str, source: str, out: Path, steps: int, batch_size: int, folders: list[str],
-                 deadline: float | None, learning_rate: float, seed: int, tv_steps: int = 0) -> None:
-    """``source`` is a drafter to continue, or ``scratch`` for a new one (its draft vocabulary counted on the rows)."""
+                 deadline: float | None, learning_rate: float, seed: int, tv_steps: int = 0,
+                 layers: int | None = None) -> None:
+    """``source`` is a drafter to continue, or ``scratch`` for a new one (its draft vocabulary counted
+    on the rows); ``layers``: a new drafter's decoder layers, or those a continued one grows to
+    (added layers start as the identity, `continued_drafter`)."""
     from angelspec_hf.training.data import rollout_sequences
     from angelspec_hf.training.recipes import RECIPES, continued_drafter, train_drafter
     from angelspec_hf.training.trainer import WallClockDeadline
@@ -306,8 +311,9 @@ def run_training(recipe_name: str, source: str, out: Path, steps: int, batch_siz
     row_tokens = ROW_TOKENS[RECIPES[recipe_name][0]]
     rows = rollout_sequences(sorted(f for d in folders for f in Path(d).rglob("*.jsonl")), seq_len=row_tokens)
     log(f"{recipe_name}: {len(rows)} rows, {sum(len(r['input_ids']) - r['loss_start'] for r in rows)} trained tokens")
-    recipe = training_recipe(recipe_name, steps, tv_steps, batch_size, learning_rate, seed)
-    drafter = None if source == "scratch" else continued_drafter(source, recipe)
+    recipe = replace(training_recipe(recipe_name, steps, tv_steps, batch_size, learning_rate, seed),
+                     num_hidden_layers=layers if source == "scratch" else None)
+    drafter = None if source == "scratch" else continued_drafter(source, recipe, layers)
     guard = WallClockDeadline(deadline if deadline is not None else float("inf"))
     start = time.time()
     drafter = train_drafter(target, rows, out, recipe, pad_token_id=tokenizer.eos_token_id, drafter=drafter,
@@ -315,7 +321,7 @@ def run_training(recipe_name: str, source: str, out: Path, steps: int, batch_siz
     drafter.to(torch.bfloat16).save_pretrained(out / "final-bf16")
     if tv_steps > 0 and (out / "lk").exists():  # the LK-only checkpoint, for the TV stage's gain
         type(drafter).from_pretrained(out / "lk").to(torch.bfloat16).save_pretrained(out / "lk-bf16")
-    summary = {"recipe": recipe_name, "source": source, "steps": steps, "tv_steps": tv_steps,
+    summary = {"recipe": recipe_name, "source": source, "layers": layers, "steps": steps, "tv_steps": tv_steps,
                "stopped_at": guard.stopped_at, "seconds": time.time() - start,
                "rows": len(rows), "batch_size": batch_size, "learning_rate": learning_rate, "seed": seed}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -409,7 +415,7 @@ def stage_steps(steps: int, tv_fraction: float) -> tuple[int, int]:
 
 def run_job(job: Path, gen_seconds: float, train_seconds: float, steps: int, batch_size: int, seed: int, lr: float,
             weights_root: Path, rows_per_opening: int, kind: str = "block", tv_fraction: float = 0.0,
-            start: str = "shipped") -> None:
+            start: str = "shipped", layers: int | None = None) -> None:
     """Rollouts, then both runs of ``kind`` side by side; run from a copy of the repository's data and code.
     ``start``: continue the shipped drafters, or ``scratch`` (new drafters; no weights to wait for)."""
     job.mkdir(parents=True, exist_ok=True)
@@ -439,6 +445,8 @@ def run_job(job: Path, gen_seconds: float, train_seconds: float, steps: int, bat
                    "--deadline", str(train_until), "--seed", str(seed), "--lr", str(lr)]
         for folder in [*spec.folders, str(job / "new")]:
             command += ["--rollouts", folder]
+        if layers is not None:
+            command += ["--layers", str(layers)]
         runs.append(subprocess.Popen(command, stdout=sinks[-1], stderr=subprocess.STDOUT, env=env))
     for run, sink in zip(runs, sinks):
         run.wait()
@@ -502,7 +510,7 @@ if __name__ == "__main__":
         run_training(sys.argv[2], sys.argv[3], Path(sys.argv[4]), int(option("--steps", 1000)),
                      int(option("--batch-size", 32)), options("--rollouts") or ROLLOUT_FOLDERS,
                      float(deadline) if deadline else None, float(option("--lr", 5e-4)), int(option("--seed", 12)),
-                     int(option("--tv-steps", 0)))
+                     int(option("--tv-steps", 0)), int(option("--layers")) if option("--layers") else None)
     elif command == "job":
         train_seconds = float(option("--train-seconds", 300))
         steps = option("--steps", "auto")
@@ -511,7 +519,8 @@ if __name__ == "__main__":
         run_job(Path(sys.argv[2]), float(option("--gen-seconds", 200)), train_seconds, steps,
                 int(option("--batch-size", 32)), int(option("--seed", 12)), float(option("--lr", 5e-4)),
                 Path(option("--weights-from", ".")), int(option("--rows-per-opening", 100)), kind,
-                float(option("--tv-fraction", 0.2 if kind == "mtp" else 0.0)), option("--start", "shipped"))
+                float(option("--tv-fraction", 0.2 if kind == "mtp" else 0.0)), option("--start", "shipped"),
+                int(option("--layers")) if option("--layers") else None)
     elif command == "package":
         package(Path(sys.argv[2]), KINDS[kind].runs)
     else:
