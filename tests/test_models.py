@@ -212,3 +212,28 @@ def test_bad_from_target_overrides(targets):
         MTPDrafter.from_target(targets.target("llama"), draft_vocab_size=3, draft_token_ids=[1, 2])
     with pytest.raises(DrafterConfigError, match="block_size"):
         DFlyDrafter.from_target(targets.target("llama"), block_size=0)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "mtp-deepseek", "mtp-2layer"])
+def test_mtp_forward_kept_at_some_positions_is_the_full_forward_there(targets, kind):
+    """Ingesting asks the stack for every position's keys but each row's last output only
+    (``keep``): the same keys and values, and the full forward's output at the kept positions,
+    over a cache and a padded, masked batch."""
+    torch.manual_seed(5)
+    drafter = build_drafter(kind, targets.target("llama")).eval()
+    size, rows, past_len, width = drafter.config.hidden_size, 3, 4, 6
+    attention = drafter.self_attn
+    past = tuple(torch.randn(rows, attention.num_kv_heads, past_len, attention.head_dim)
+                 for _ in range(2 * drafter.config.num_hidden_layers))
+    hidden, embeds = torch.randn(rows, width, size), torch.randn(rows, width, size)
+    positions = past_len + torch.arange(width)[None].expand(rows, -1)
+    mask = torch.ones(rows, 1, width, past_len + width, dtype=torch.bool).tril(diagonal=past_len)
+    mask[1, :, :, 1] = False  # a padded context key
+    keep = torch.tensor([5, 2, 0])
+    with torch.no_grad():
+        full, full_present = drafter(hidden, embeds, positions, past, mask)
+        kept, kept_present = drafter(hidden, embeds, positions, past, mask, keep=keep)
+    assert kept.shape == (rows, 1, size)
+    torch.testing.assert_close(kept[:, 0], full[torch.arange(rows), keep], rtol=1e-5, atol=1e-5)
+    for a, b in zip(kept_present, full_present, strict=True):
+        assert torch.equal(a, b)
