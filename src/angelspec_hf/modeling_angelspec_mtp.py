@@ -49,31 +49,35 @@ class MTPAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """Rotated queries and keys, and values, as (batch, heads, seq, head_dim)."""
-        return self.queries(x, positions), *self.keys_values(x, positions)
+        rotary = self.rotary(positions, x.dtype)
+        return self.queries(x, rotary), *self.keys_values(x, rotary)
 
-    def queries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_cos_sin(positions, self.head_dim, self.rope_theta, dtype)
+
+    def queries(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         q = split_heads(self.q_proj(x), self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rotary(q, *rotary_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype))
+        return apply_rotary(q, *rotary)
 
-    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         k = split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        k = apply_rotary(k, *rotary_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype))
-        return k, split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
+        return apply_rotary(k, *rotary), split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
 
     def forward(self, x, positions, past_key_values=None, mask=None, queries: torch.Tensor | None = None):
         """Returns the attention output and the keys/values including ``past_key_values``.
 
         ``queries`` (one sequence index per row) limits the output to those positions: (batch, 1, H).
         Every position's keys and values are still returned."""
-        k, v = self.keys_values(x, positions)
+        rotary = self.rotary(positions, x.dtype)
+        k, v = self.keys_values(x, rotary)
         if queries is None:
-            q = self.queries(x, positions)
+            q = self.queries(x, rotary)
         else:
-            q = self.queries(select_positions(x, queries), select_positions(positions, queries))
+            q = self.queries(select_positions(x, queries), self.rotary(select_positions(positions, queries), x.dtype))
             mask = None if mask is None else mask.gather(
                 2, queries[:, None, None, None].expand(-1, mask.shape[1], 1, mask.shape[3]))
         if past_key_values is not None:
@@ -181,16 +185,16 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         layer's queries, output projection and MLP are most of a one-layer drafter's cost a position
         (on the reference target's MTP drafter about 70% of the multiply-adds)."""
         last = len(self.layers)
-        residual, x = self.attention_input(hidden, input_embeds, positions)
-        module, finish = self.self_attn, self.finish
-        for index in range(last + 1):
-            if index:
-                layer = self.layers[index - 1]
-                residual, x, module, finish = hidden, layer.input_norm(hidden), layer.self_attn, layer.finish
+
+        def layer_step(index: int, module: MTPAttention, finish, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             if index == last and keep is not None:
-                hidden = finish(select_positions(residual, keep), attention(index, module, x, queries=keep))
-            else:
-                hidden = finish(residual, attention(index, module, x))
+                return finish(select_positions(residual, keep), attention(index, module, x, queries=keep))
+            return finish(residual, attention(index, module, x))
+
+        residual, x = self.attention_input(hidden, input_embeds, positions)
+        hidden = layer_step(0, self.self_attn, self.finish, residual, x)
+        for index, layer in enumerate(self.layers, start=1):
+            hidden = layer_step(index, layer.self_attn, layer.finish, hidden, layer.input_norm(hidden))
         return hidden
 
     def forward(self, hidden, input_embeds, positions, past_key_values=None, attention_mask=None,
