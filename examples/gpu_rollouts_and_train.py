@@ -470,7 +470,8 @@ def package(job: Path, runs=SHIPPED) -> None:
     if (job / "new").exists():
         shutil.copytree(job / "new", keep / "new")
     for index, name in enumerate(runs):
-        for saved, kept in (("final-bf16", name), ("lk-bf16", f"{name}-lk"))[:2 if index == 0 else 1]:
+        checkpoints = [("final-bf16", name)] + ([("lk-bf16", f"{name}-lk")] if index == 0 else [])
+        for saved, kept in checkpoints:
             if (job / name / saved).exists():
                 shutil.copytree(job / name / saved, keep / kept)
         if (job / name / "summary.json").exists():
