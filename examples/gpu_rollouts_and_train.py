@@ -314,7 +314,7 @@ def run_training(recipe_name: str, source: str, out: Path, steps: int, batch_siz
     recipe = replace(training_recipe(recipe_name, steps, tv_steps, batch_size, learning_rate, seed),
                      num_hidden_layers=layers if source == "scratch" else None)
     drafter = None if source == "scratch" else continued_drafter(source, recipe, layers)
-    guard = WallClockDeadline(deadline if deadline is not None else float("inf"))
+    guard = WallClockDeadline(deadline if deadline is not None else float("inf"), [steps, tv_steps])
     start = time.time()
     drafter = train_drafter(target, rows, out, recipe, pad_token_id=tokenizer.eos_token_id, drafter=drafter,
                             callbacks=[guard])
@@ -322,7 +322,7 @@ def run_training(recipe_name: str, source: str, out: Path, steps: int, batch_siz
     if tv_steps > 0 and (out / "lk").exists():  # the LK-only checkpoint, for the TV stage's gain
         type(drafter).from_pretrained(out / "lk").to(torch.bfloat16).save_pretrained(out / "lk-bf16")
     summary = {"recipe": recipe_name, "source": source, "layers": layers, "steps": steps, "tv_steps": tv_steps,
-               "stopped_at": guard.stopped_at, "seconds": time.time() - start,
+               "stopped_at": guard.stops, "seconds": time.time() - start,
                "rows": len(rows), "batch_size": batch_size, "learning_rate": learning_rate, "seed": seed}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log(f"{recipe_name}: {summary}")
@@ -348,7 +348,7 @@ def run_smoke(out: Path, batch_size: int, steps: int, generate_rows: tuple[int, 
     """Random weights of the reference shape: checks the CUDA paths and times them (each run of ``kind``)."""
     from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
 
-    from angelspec_hf.training.recipes import train_drafter
+    from angelspec_hf.training.recipes import RECIPES, train_drafter
 
     exact_float32()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -365,7 +365,9 @@ def run_smoke(out: Path, batch_size: int, steps: int, generate_rows: tuple[int, 
         drafter = AutoModel.from_config(AutoConfig.from_pretrained(source)).float().to(device)
         recipe = replace(training_recipe(name, steps, 0, batch_size, 5e-4, 0), logging_steps=10)
         timer = StepTimes()
-        train_drafter(target, rows, out / name, recipe, pad_token_id=2, drafter=drafter.train(), callbacks=[timer])
+        cut = ROW_TOKENS[RECIPES[name][0]]  # the job's rows are cut so: MTP's 448 tokens cost less than 1024
+        run_rows = [{**row, "input_ids": row["input_ids"][:cut]} for row in rows]
+        train_drafter(target, run_rows, out / name, recipe, pad_token_id=2, drafter=drafter.train(), callbacks=[timer])
         warm = timer.times[len(timer.times) // 3:]  # the first steps pay for CUDA's start-up
         report[f"{name}_seconds_per_step"] = (warm[-1] - warm[0]) / max(len(warm) - 1, 1)
         log(f"{name}: {report[f'{name}_seconds_per_step']:.3f} s a step (batch {batch_size}, after {steps - len(warm)} warm-up steps)")
@@ -507,6 +509,10 @@ if __name__ == "__main__":
                      int(option("--batch-rows", 1024)), int(option("--seed", 2026)),
                      tuple(option("--domains", "code,math").split(",")))
     elif command == "train":
+        import logging
+
+        # The library's INFO lines with times: when each stage begins and how long it has.
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
         deadline = option("--deadline")
         run_training(sys.argv[2], sys.argv[3], Path(sys.argv[4]), int(option("--steps", 1000)),
                      int(option("--batch-size", 32)), options("--rollouts") or ROLLOUT_FOLDERS,

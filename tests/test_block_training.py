@@ -312,3 +312,39 @@ def test_wall_clock_deadline_stops_a_stage_early_and_the_drafter_is_still_saved(
     assert passed.stopped_at == 1 and later.stopped_at is None
     stopped, full = (AutoModel.from_pretrained(tmp_path / run / "final") for run in ("stopped", "full"))
     assert any(not torch.equal(a, b) for a, b in zip(stopped.parameters(), full.parameters()))
+
+
+def test_wall_clock_deadline_gives_each_stage_its_share_of_the_time_left(monkeypatch):
+    """With the stages' planned steps, a stage that begins late leaves the next one its share: the
+    LK stage of 80 + 20 planned steps gets 80% of the time left when it begins, the TV stage all
+    that is left then. Without them the first stage may use everything (the old behaviour)."""
+    from types import SimpleNamespace
+
+    from angelspec_hf.training import trainer as trainer_module
+    from angelspec_hf.training.trainer import WallClockDeadline
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(trainer_module.time, "time", lambda: clock.now)
+
+    def step_end(guard, at, step):
+        clock.now = at
+        control = SimpleNamespace(should_training_stop=False)
+        guard.on_step_end(None, SimpleNamespace(global_step=step, max_steps=100), control)
+        return control.should_training_stop
+
+    shared = WallClockDeadline(1000.0, [80, 20])
+    clock.now = 100.0  # the stage begins late
+    shared.on_train_begin(None, None, None)
+    assert shared.stage_deadline == 100.0 + 900.0 * 0.8
+    assert not step_end(shared, 819.0, 50) and step_end(shared, 820.0, 51)
+    clock.now = 830.0
+    shared.on_train_begin(None, None, None)
+    assert shared.stage_deadline == 1000.0
+    assert not step_end(shared, 999.0, 10) and step_end(shared, 1000.0, 11)
+    assert shared.stops == [51, 11] and shared.stopped_at == 11
+
+    alone = WallClockDeadline(1000.0)
+    clock.now = 100.0
+    alone.on_train_begin(None, None, None)
+    assert not step_end(alone, 999.0, 90) and alone.stops == [None]
+    assert WallClockDeadline(1000.0, [80, 0]).stage_steps == [80]

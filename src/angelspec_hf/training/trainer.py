@@ -101,16 +101,39 @@ class WallClockDeadline(TrainerCallback):
 
     For machines lent or rented for a fixed time: the stage stops early instead of being killed,
     so `train_drafter` still saves the drafter. The learning-rate schedule is not shortened: size
-    ``max_steps`` to the time and keep this as the guard. The step it stopped at is logged.
+    ``max_steps`` to the time and keep this as the guard. The step each stage stopped at is logged
+    and kept in ``stops`` (``None`` for a stage that ran to its end).
+
+    ``stage_steps``: the planned steps of the stages this callback will see, in order (an LK stage
+    then a TV stage, say). Each stage, when it begins, gets the share of the time left that its
+    steps are of the steps left, so a slow start (loading, a first step that compiles) cannot eat
+    a later stage's time: on an H200 (2026-12-04) an MTP run began training 140 s late and the TV
+    stage that followed its LK stage got one step. Without it, the first stage may use all the time.
     """
 
-    def __init__(self, deadline: float):
+    def __init__(self, deadline: float, stage_steps: list[int] | None = None):
         self.deadline = deadline
-        self.stopped_at: int | None = None
+        self.stage_steps = [steps for steps in (stage_steps or []) if steps > 0]
+        self.stops: list[int | None] = []
+        self.stage_deadline = deadline
+
+    @property
+    def stopped_at(self) -> int | None:
+        """The step the last stage stopped at (``None``: it ran to its end)."""
+        return self.stops[-1] if self.stops else None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        stage = len(self.stops)
+        self.stops.append(None)
+        later = self.stage_steps[stage:]
+        now = time.time()
+        share = later[0] / sum(later) if later else 1.0
+        self.stage_deadline = now + max(self.deadline - now, 0.0) * share
+        logger.info("Stage %d begins with %.0f s until its deadline.", stage + 1, self.stage_deadline - now)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.time() >= self.deadline and not control.should_training_stop:
+        if time.time() >= self.stage_deadline and not control.should_training_stop:
             control.should_training_stop = True
-            self.stopped_at = state.global_step
+            self.stops[-1] = state.global_step
             logger.warning("Wall-clock deadline reached: training stops at step %d of %d.", state.global_step, state.max_steps)
         return control
