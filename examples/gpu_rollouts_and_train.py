@@ -423,7 +423,8 @@ def run_job(job: Path, gen_seconds: float, train_seconds: float, steps: int, bat
     job.mkdir(parents=True, exist_ok=True)
     spec = KINDS[kind]
     script = str(Path(__file__).resolve())
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Two training processes share the machine's cores: busy-waiting OpenMP threads would slow each other's CPU work.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     with open(job / "rollouts.log", "w") as sink:
         subprocess.run([sys.executable, script, "rollouts", str(job / "new"), "--seconds", str(gen_seconds),
                         "--rows-per-opening", str(rows_per_opening), "--domains", ",".join(spec.domains)],

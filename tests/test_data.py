@@ -249,3 +249,17 @@ def test_draft_vocab_narrows_a_reduced_vocabulary_to_its_own_most_frequent_token
 
     assert draft_vocab(4) == [11, 20, 30, 40]  # narrowed within its own tokens
     assert 5 in draft_vocab(8)  # widened: counted afresh over the target vocabulary
+
+
+def test_token_counts_count_the_trained_positions_of_every_row_and_refuse_ids_outside_the_vocabulary():
+    """The draft vocabulary of a new drafter is counted on the response tokens (from ``loss_start``) only."""
+    from angelspec_hf.training.recipes import token_counts
+
+    rows = [{"input_ids": [5, 1, 2, 2], "loss_start": 2}, {"input_ids": [3, 3, 9], "loss_start": 1},
+            {"input_ids": [7], "loss_start": 1}]
+    counts = token_counts(rows, 10)
+    expected = torch.zeros(10, dtype=torch.long)
+    expected[2], expected[3], expected[9] = 2, 1, 1
+    assert torch.equal(counts, expected)
+    with pytest.raises(ValueError, match="outside the target's vocabulary of 9"):
+        token_counts(rows, 9)

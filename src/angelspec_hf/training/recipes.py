@@ -173,9 +173,16 @@ def frequent_token_ids(counts: torch.Tensor, size: int, among: torch.Tensor | No
 
 
 def token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for row in rows:
-        counts += torch.bincount(torch.tensor(row["input_ids"][row["loss_start"]:], dtype=torch.long), minlength=vocab_size)
+    """How often each token id occurs in the rows' trained (response) positions.
+
+    One bincount over all rows: a vocabulary-sized add per row cost 0.1 ms each here but, with two
+    training processes of 16 busy-waiting threads on a GPU machine, far more (9880 rows: the
+    likeliest cause of a 140 s start, 2026-12-04)."""
+    trained = [token for row in rows for token in row["input_ids"][row["loss_start"]:]]
+    counts = torch.bincount(torch.tensor(trained, dtype=torch.long), minlength=vocab_size)
+    if counts.numel() > vocab_size:
+        raise ValueError(f"Training rows hold token id {counts.numel() - 1}, outside the target's vocabulary of "
+                         f"{vocab_size}. Fix: make the rows with this target's tokenizer.")
     return counts
 
 
