@@ -47,8 +47,7 @@ The MTP chat drafter the same way (``--kind mtp``; ``--kind block`` is the defau
         the mixed one and the new rows. ``--start scratch`` trains both from new drafters (the
         issue's clean TTT ablation; nothing to wait for), ``shipped`` continues the shipped MTP-TTT3
         (the candidate to ship). A fifth of the steps are TV steps unless ``--tv-fraction`` says.
-        Written, and run end to end on the CPU with tiny settings (2026-12-04, session 38: smoke,
-        chat rollouts, both runs, package), not yet on a GPU.
+        Run on one H200 on 2026-12-04 (session 39, below).
 
 `package` also writes JOB/results.tgz in parts (JOB/results.tgz.part-NN, 15 MiB each: the device
 machine returns files of at most 16 MiB; ``cat`` them back together).
@@ -67,6 +66,23 @@ rollouts, the shipped weights) with `smoke` and the `job` started in the backgro
             --steps 480 --batch-size 32 --seed 13 --lr 3e-4 --deadline T --rollouts data/rollouts/SmolLM2-135M-Instruct \
             --rollouts data/rollouts/SmolLM2-135M-Instruct-code --rollouts data/rollouts/SmolLM2-135M-Instruct-math
         (and the same with dflash-code, side by side; the deadline stopped them at 475 / 476 steps)
+
+The MTP run (session 39, 2026-12-04) took two transfers and no shipped weights (from scratch):
+the first sent the code and the first half of the wheel and ran `smoke OUT --kind mtp` (0.178 /
+0.142 s an MTP-TTT3 / teacher-forcing step at batch 32; 51 s with the machine's start), the second
+the other half and the chat rollout folders and ran, in the foreground of one 505-second call,
+
+    python examples/gpu_rollouts_and_train.py job /tmp/job --kind mtp --start scratch --gen-seconds 140 \
+            --train-seconds 260 --steps auto --smoke /tmp/smoke/smoke.json --sharing 1.5 --batch-size 32 \
+            --lr 1e-3 --rows-per-opening 100
+        (5 rounds, 6569 chat prompts, 1.50M response tokens at about 13,000 tokens/s, now in
+        data/rollouts/SmolLM2-135M-Instruct-chat; then 780 LK + 195 TV steps planned for both runs,
+        3.25 / 3.88 steps/s side by side; training began about 140 s after the rows were read, so the
+        deadline stopped LK at 476 / 560 steps and left the TV stage 1 step: stages now share the time
+        by their planned steps, `WallClockDeadline(deadline, stage_steps)`, and the new drafter's
+        vocabulary count, the likeliest cause of the late start, is one bincount)
+
+and the TV stage ran afterwards on the CPU (README "Trained drafters").
 
 Held-out tau of each step: README "Trained drafters". Run it from the repository root (it reads
 data/rollouts and modeling/). The reference target comes
