@@ -55,23 +55,28 @@ class Run:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-def methods_for(drafters: dict[str, object], cost_model=None, prompt_lookup_tokens: int = 8) -> list[Method]:
-    """AR, prompt lookup, each drafter at its fixed length and, given a cost model, with D-cut."""
+def methods_for(drafters: dict[str, object], cost_model=None, prompt_lookup_tokens: int = 8,
+                target_dtype: torch.dtype | None = None) -> list[Method]:
+    """AR, prompt lookup, each drafter at its fixed length and, given a cost model, with D-cut;
+    a DFlash drafter also through transformers' own DFlash path, in ``target_dtype``."""
     from .generation import DCutPolicy
 
     methods = [Method(AR), Method(PROMPT_LOOKUP, {"prompt_lookup_num_tokens": prompt_lookup_tokens})]
     for name, drafter in drafters.items():
         methods.append(Method(name, {"assistant_model": drafter}, drafter))
         if getattr(drafter.config, "variant", None) == "dflash":
-            native = {"assistant_model": transformers_dflash_assistant(drafter), "speculation_type": "dflash"}
+            native = {"assistant_model": transformers_dflash_assistant(drafter, target_dtype),
+                      "speculation_type": "dflash"}
             methods.append(Method(f"{name} via transformers' DFlash", native, count_forwards=True))
         if cost_model is not None:
             methods.append(Method(f"{name} + D-cut", {"assistant_model": drafter}, drafter, DCutPolicy(cost_model)))
     return methods
 
 
-def transformers_dflash_assistant(drafter):
-    """The same DFlash-mode drafter as transformers' own assistant class (``speculation_type="dflash"``)."""
+def transformers_dflash_assistant(drafter, dtype: torch.dtype | None = None):
+    """The same DFlash-mode drafter as transformers' own assistant class (``speculation_type="dflash"``),
+    in ``dtype`` (default: the drafter's). Give the target's: that path feeds the target's states to
+    the assistant as they are, so a bfloat16 assistant beside a float32 target fails in its first matmul."""
     import tempfile
 
     from transformers import AutoModel
@@ -80,7 +85,7 @@ def transformers_dflash_assistant(drafter):
 
     with tempfile.TemporaryDirectory() as directory:
         export_transformers_dflash(drafter, directory)
-        return AutoModel.from_pretrained(directory, dtype=drafter.dtype).eval()
+        return AutoModel.from_pretrained(directory, dtype=dtype or drafter.dtype).eval()
 
 
 def benchmark_prompts(domains: list[str], per_set: int) -> list[tuple[str, int, str]]:
@@ -96,7 +101,7 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
     ``baselines`` are more plain-decoding rows, on other targets or thread counts, interleaved
     right after AR: each method's output must equal the first output of its own target.
     """
-    methods = methods_for(drafters, cost_model)
+    methods = methods_for(drafters, cost_model, target_dtype=target.dtype)
     methods[1:1] = list(baselines)
     prompts = benchmark_prompts(domains, per_set)
     runs: list[Run] = []
