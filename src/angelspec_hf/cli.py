@@ -89,8 +89,9 @@ def drafter_dtype(target: PreTrainedModel, choice: str = "auto") -> torch.dtype:
     bfloat16 halves what is read; the draft's precision cannot change the output (the target
     verifies every token). Measured on an AMD EPYC with avx512_bf16 (2026-12-04, one thread, the
     shipped MTP-TTT3 on 3 MT-Bench prompts, two interleaved passes each): a draft 9.1 -> 7.3 ms,
-    generate 3.5% faster, the same output; on 6 MT-Bench prompts 4.6%, DFly-Block8 on 4 code prompts 5.5%. On AVX2-only CPUs bfloat16 is emulated and slower
-    (`warn_if_drafting_emulated`), hence the target's dtype there."""
+    generate 3.5% faster, the same output; on 6 MT-Bench prompts 4.6%, DFly-Block8 on 4 code
+    prompts 5.5%. On AVX2-only CPUs bfloat16 is emulated and slower (`warn_if_drafting_emulated`),
+    hence the target's dtype there."""
     if choice != "auto":
         return getattr(torch, choice)
     if target.dtype == torch.float32 and target.device.type == "cpu" and cpu_has_bfloat16_units():
