@@ -95,29 +95,82 @@ def test_drafting_corrects_as_the_trained_correction_head_does(targets, embed_no
                                        head(z[:, index], previous), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", ["linear", "mv", "mv-float32"])
-def test_row_products_compute_linear_whichever_kernel_is_picked(monkeypatch, dtype, kernel):
-    """Every kernel `fastest_row_kernel` may pick gives ``F.linear`` (in the input's dtype), and the
-    pick is timed once per shape and dtype."""
+def _close_to_linear(got, x, weight, bias=None):
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double()).to(x.dtype)
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if x.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-1}
+    assert got.dtype == x.dtype
+    torch.testing.assert_close(got, exact, **tolerance)
+
+
+def _packing_kernels(dtype):
     from angelspec_hf import modeling_angelspec_common as common
 
+    return ["packed"] if dtype in common.packing_dtypes() else []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["linear", "mv", "mv-float32", "packed"])
+def test_row_products_compute_linear_whichever_kernel_is_picked(monkeypatch, dtype, kernel):
+    """Every kernel `fastest_row_kernel` may pick gives ``F.linear`` (in the input's dtype), the pick
+    is timed once per shape and dtype, and several rows give ``F.linear`` too (packed where it serves)."""
+    from angelspec_hf import modeling_angelspec_common as common
+
+    if kernel == "packed" and not _packing_kernels(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
     torch.manual_seed(4)
     weight, row, rows = torch.randn(96, 40, dtype=dtype), torch.randn(1, 40, dtype=dtype), torch.randn(3, 40, dtype=dtype)
     monkeypatch.setattr(common, "_ROW_KERNELS", {(tuple(weight.shape), dtype): kernel})
     product = common.RowLinear(weight)
-    assert torch.equal(product(rows), F.linear(rows, weight))
-    assert product.kernel is None, "only a one-row call picks a kernel"
-    exact = F.linear(row.double(), weight.double()).to(dtype)
-    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-1}
-    assert product(row).dtype == dtype
-    torch.testing.assert_close(product(row), exact, **tolerance)
-    assert product.kernel == kernel
-    assert torch.equal(product(rows), F.linear(rows, weight))
-    monkeypatch.setattr(common, "_ROW_KERNELS", {})
-    picked = common.fastest_row_kernel(weight)
-    assert picked in ({"linear", "mv", "mv-float32"} if dtype == torch.bfloat16 else {"linear", "mv"})
+    with torch.no_grad():
+        _close_to_linear(product(rows), rows, weight)
+        assert product.kernel is None, "only a one-row call picks a kernel"
+        _close_to_linear(product(row), row, weight)
+        assert product.kernel == kernel
+        _close_to_linear(product(rows), rows, weight)
+        monkeypatch.setattr(common, "_ROW_KERNELS", {})
+        picked = common.fastest_row_kernel(weight)
+    allowed = {"linear", "mv"} | ({"mv-float32"} if dtype == torch.bfloat16 else set()) | set(_packing_kernels(dtype))
+    assert picked in allowed
     assert common._ROW_KERNELS == {(tuple(weight.shape), dtype): picked}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_linear_packs_at_inference_and_trains_like_nn_linear(monkeypatch, dtype):
+    """Drafter layers multiply through a packed weight at inference on a CPU (where oneDNN packs the
+    dtype), repack a weight that changed, keep ``nn.Linear``'s state dict and gradients, and fall
+    back to ``F.linear`` where packing disagrees with it."""
+    from angelspec_hf import modeling_angelspec_common as common
+
+    if not _packing_kernels(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
+    torch.manual_seed(5)
+    layer = common.DraftLinear(40, 24, bias=True).to(dtype)
+    plain = torch.nn.Linear(40, 24, bias=True).to(dtype)
+    plain.load_state_dict(layer.state_dict())
+    assert list(layer.state_dict()) == ["weight", "bias"]
+    block, row = torch.randn(2, 8, 40, dtype=dtype), torch.randn(1, 40, dtype=dtype)
+    with torch.no_grad():
+        _close_to_linear(layer(block), block, layer.weight, layer.bias)
+        assert layer in common._PACKED_WEIGHTS, "a block of rows goes through the packed weight"
+        one_row = layer(row)
+        _close_to_linear(one_row, row, layer.weight, layer.bias)
+        if dtype == torch.float32:
+            assert torch.equal(one_row, F.linear(row, layer.weight, layer.bias)), "one float32 row keeps the BLAS"
+        layer.weight.mul_(2)
+        _close_to_linear(layer(block), block, layer.weight, layer.bias)
+    # Training: a gradient wanted, so F.linear, bit for bit, with gradients.
+    x = torch.randn(3, 40, dtype=dtype, requires_grad=True)
+    out = layer(x)
+    assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+    out.float().sum().backward()
+    assert layer.weight.grad is not None and x.grad is not None
+    # A machine where the packed product disagrees: the stock kernel, and a warning naming the shape.
+    monkeypatch.setattr(common, "_PACKING_AGREES", {})
+    monkeypatch.setattr(common, "packing_error", lambda *args, **kwargs: 1.0)
+    fresh = common.DraftLinear(40, 24, bias=True).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(fresh(block), F.linear(block, fresh.weight, fresh.bias))
+    assert fresh not in common._PACKED_WEIGHTS
 
 
 def test_reduced_vocabulary_maps_draft_ids_to_target_ids(targets):

@@ -19,6 +19,7 @@ from .modeling_angelspec_common import (
     AngelSpecCandidateGenerator,
     AngelSpecPreTrainedModel,
     BatchedDraft,
+    DraftLinear,
     RMSNorm,
     RowLinear,
     SwiGLU,
@@ -41,10 +42,10 @@ class DFlyLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.rope_theta = config.rope_theta
         self.input_norm = RMSNorm(size, config.rms_norm_eps)
-        self.q_proj = nn.Linear(size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, size, bias=False)
+        self.q_proj = DraftLinear(size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = DraftLinear(size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = DraftLinear(size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = DraftLinear(self.num_heads * self.head_dim, size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.post_attention_norm = RMSNorm(size, config.rms_norm_eps)
@@ -98,14 +99,14 @@ class CorrectionSteps:
     def __init__(self, correction: HiddenCorrection):
         size = correction.norm.weight.shape[0]
         gate, up = correction.mlp.gate_proj.weight.detach(), correction.mlp.up_proj.weight.detach()
-        self.context_weight = torch.cat([gate[:, :size], up[:, :size]]).contiguous()
+        self.context_product = RowLinear(torch.cat([gate[:, :size], up[:, :size]]).contiguous())
         self.token_product = RowLinear(torch.cat([gate[:, size:], up[:, size:]]).contiguous())
         self.down_product = RowLinear(correction.mlp.down_proj.weight.detach())
         self.norm, self.embed_norm = correction.norm, correction.embed_norm
 
     def prepare(self, z: torch.Tensor) -> torch.Tensor:
         """The ``norm(z)`` half of the gate and up projections for every position: (..., 2I)."""
-        return F.linear(self.norm(z), self.context_weight)
+        return self.context_product(self.norm(z))
 
     def step(self, z: torch.Tensor, prepared: torch.Tensor, previous_embeds: torch.Tensor) -> torch.Tensor:
         """Corrected ``z`` of one position for every row: (rows, H), given its `prepare` row."""
@@ -129,7 +130,7 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
         super().__init__(config)
         size, num_context = config.hidden_size, len(config.target_layer_ids)
         if config.conditioning in ("global", "hybrid"):
-            self.context_proj = nn.Linear(num_context * size, size, bias=False)
+            self.context_proj = DraftLinear(num_context * size, size, bias=False)
         if config.conditioning in ("layerwise", "hybrid"):
             self.layer_fusion_weights = nn.Parameter(torch.zeros(config.num_hidden_layers, num_context))
         self.context_norm = RMSNorm(size, config.rms_norm_eps)

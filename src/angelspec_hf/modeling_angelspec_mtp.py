@@ -15,6 +15,7 @@ from .modeling_angelspec_common import (
     AngelSpecCandidateGenerator,
     AngelSpecPreTrainedModel,
     BatchedDraft,
+    DraftLinear,
     RMSNorm,
     SwiGLU,
     apply_rotary,
@@ -37,10 +38,10 @@ class MTPAttention(nn.Module):
         self.rope_theta = config.rope_theta
         if width is None:
             width = config.hidden_size * (2 if config.layer_style == "eagle3" else 1)
-        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = DraftLinear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = DraftLinear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = DraftLinear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = DraftLinear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -124,10 +125,10 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         size = config.hidden_size
         self.deepseek_style = config.layer_style == "deepseek"
         if self.deepseek_style:
-            self.eh_proj = nn.Linear(2 * size, size, bias=False)
+            self.eh_proj = DraftLinear(2 * size, size, bias=False)
             self.attention_norm = RMSNorm(size, config.rms_norm_eps)
         else:
-            self.fc = nn.Linear(len(config.target_layer_ids) * size, size, bias=False)
+            self.fc = DraftLinear(len(config.target_layer_ids) * size, size, bias=False)
         self.input_norm = RMSNorm(size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(size, config.rms_norm_eps)
         self.self_attn = MTPAttention(config)
@@ -137,7 +138,7 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         self.layers = nn.ModuleList(MTPDecoderLayer(config) for _ in range(config.num_hidden_layers - 1))
         self.norm = RMSNorm(size, config.rms_norm_eps)
         if config.uses_reduced_vocab:
-            self.lm_head = nn.Linear(size, config.draft_vocab_size, bias=False)
+            self.lm_head = DraftLinear(size, config.draft_vocab_size, bias=False)
             # EAGLE-3 layout: target id = draft id + d2t[draft id]; t2d marks target ids in the draft vocab.
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))

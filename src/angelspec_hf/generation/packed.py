@@ -29,22 +29,18 @@ from __future__ import annotations
 import logging
 import math
 import types
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import AngelSpecError
+from ..modeling_angelspec_common import _PACKED_WEIGHTS, packed_product, packed_weight
 
 logger = logging.getLogger(__name__)
 
 MIN_ROWS = 2  # one row stays on the BLAS's matrix-vector path, which is as fast or faster
 _TOLERANCE = 1e-4  # relative to the largest output: float32 GEMMs summing in another order
-# Layer -> (packed weight, (the weight's data pointer, its version) when packed). Kept beside the
-# layers rather than on them: a packed weight is an opaque oneDNN tensor that `copy.deepcopy` and
-# pickling cannot copy (a copied model packs its own weights on first use).
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class PackedLinearError(AngelSpecError, RuntimeError):
@@ -62,7 +58,7 @@ class PackedLinears:
         modules = dict(self.target.named_modules())
         for name in self.names:
             modules[name].__dict__.pop("forward", None)
-            _PACKED.pop(modules[name], None)
+            _PACKED_WEIGHTS.pop(modules[name], None)
         self.target._angelspec_packed = None
 
 
@@ -75,18 +71,6 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _packed_weight(module: torch.nn.Linear) -> torch.Tensor:
-    """The layer's packed weight, packed again if the weight changed since: updated in place (its
-    version moved) or replaced (other storage)."""
-    weight = module.weight
-    stamp = (weight.data_ptr(), weight._version)
-    packed, packed_stamp = _PACKED.get(module, (None, None))
-    if packed is None or packed_stamp != stamp:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        _PACKED[module] = packed, stamp
-    return packed
-
-
 def _packed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` through the packed weight for two or more rows (bound per module as a
     method, so that ``copy.deepcopy`` of the model binds the copy's own weights)."""
@@ -94,9 +78,9 @@ def _packed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (rows < MIN_ROWS or x.dtype != torch.float32 or self.weight.dtype != torch.float32 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
         return F.linear(x, self.weight, self.bias)
-    flat = x.reshape(rows, x.shape[-1]).contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(flat, _packed_weight(self), self.bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+    # Packed again if the weight changed since (updated in place or replaced); the shape was checked
+    # when packing the target.
+    return packed_product(x, packed_weight(self, self.weight, self.bias, check=False), self.bias)
 
 
 def _check_shape(module: torch.nn.Linear) -> None:
@@ -134,7 +118,7 @@ def pack_linear_weights(target: torch.nn.Module) -> PackedLinears:
         for name, module in target.named_modules():
             if type(module) is not torch.nn.Linear or module.weight.dtype != torch.float32:
                 continue
-            _packed_weight(module)
+            packed_weight(module, module.weight, module.bias, check=False)
             module.forward = types.MethodType(_packed_linear, module)
             state.names.append(name)
             shape = (tuple(module.weight.shape), module.bias is not None)
