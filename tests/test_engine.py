@@ -1,5 +1,7 @@
 """The batched engine: every row equals its own plain greedy generate, rows join and leave."""
 
+import copy
+
 import pytest
 import torch
 
@@ -231,6 +233,21 @@ def test_batch_dcut_cuts_and_every_row_equals_its_plain_generate(setup, name):
         assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
     longest = drafters[name].max_draft_tokens + 1
     assert any(1 < w < longest for w in policy.windows) and longest in policy.windows, policy.windows
+
+
+@pytest.mark.parametrize("name", ["dfly", "mtp"])
+def test_bfloat16_drafters_beside_a_float32_target_keep_every_row_plain(setup, name):
+    """The benchmark's engine drafts in bfloat16 beside its float32 target on CPUs with bfloat16
+    units: the batched drafting paths take the target's float32 states, every row still equals its
+    plain generate, and the bfloat16 drafts are still accepted."""
+    target, drafters, prompts = setup
+    drafter = copy.deepcopy(drafters[name]).to(torch.bfloat16).eval()
+    engine = SpeculativeEngine(target, drafter, max_batch_size=4, policy=cutting_policy())
+    outputs = engine.generate(prompts, max_new_tokens=25)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
+    accepted = [a for entry in engine.stats for a in entry["accepted"]]
+    assert max(accepted) >= 2, "bfloat16 drafts must really be accepted"
 
 
 def test_engine_tells_the_batch_policy_whether_requests_wait_and_what_rows_have_left(setup):
