@@ -138,6 +138,11 @@ def packed_weight(owner: object, weight: torch.Tensor, bias: torch.Tensor | None
     return packed
 
 
+def forget_packed_weight(owner: object) -> None:
+    """Free ``owner``'s packed copy (the next packed product packs again)."""
+    _PACKED_WEIGHTS.pop(owner, None)
+
+
 def packing_pays(weight: torch.Tensor, rows: int) -> bool:
     """Packed beats the stock kernels for two or more rows in either dtype, and for one row in
     bfloat16; one float32 row keeps the BLAS's matrix-vector path (or `RowLinear`'s timed pick)."""

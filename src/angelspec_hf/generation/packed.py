@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import AngelSpecError
-from ..modeling_angelspec_common import _PACKED_WEIGHTS, packed_product, packed_weight
+from ..modeling_angelspec_common import forget_packed_weight, packed_product, packed_weight
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class PackedLinears:
         modules = dict(self.target.named_modules())
         for name in self.names:
             modules[name].__dict__.pop("forward", None)
-            _PACKED_WEIGHTS.pop(modules[name], None)
+            forget_packed_weight(modules[name])
         self.target._angelspec_packed = None
 
 
