@@ -67,7 +67,8 @@ class RMSNorm(nn.Module):
 # 83/44, 130/86, 1654/1629; float32 4096x576 265/158, 826/404, 10646/8697, but float32 192x576 at one
 # row 9/22 (the BLAS's matrix-vector path wins there). Through `generate` on the reference target
 # (bfloat16 drafters, 4 code or 3 chat prompts, two passes interleaved, same output): a DFly-Block8
-# draft 11.3 -> 8.3 ms, MTP-TTT3 8.3 -> 5.5 ms, DFlash-Block8 6.2 -> 5.2 ms.
+# draft 11.1 -> 8.3 ms (generate 4.5% faster), DFlash-Block8 5.8 -> 4.5 ms (4.2%), MTP-TTT3 7.9 ->
+# 5.2 ms (3.7%).
 
 _ROW_KERNELS: dict[tuple, str] = {}  # (shape, dtype) -> fastest one-row kernel on this CPU
 # Owner (a layer or a `RowLinear`) -> (its packed weight, the weight's (data pointer, version) when
