@@ -125,18 +125,24 @@ def packed_weight(owner: object, weight: torch.Tensor, bias: torch.Tensor | None
     if packed is not None and packed_stamp == stamp:
         return packed
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    if check and not packing_agrees(weight, packed, bias):
+        return None
+    _PACKED_WEIGHTS[owner] = packed, stamp
+    return packed
+
+
+def packing_agrees(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the packed product agrees with ``F.linear`` on this machine, checked once per shape
+    and dtype (a warning names a shape that does not)."""
     key = (tuple(weight.shape), weight.dtype, bias is not None)
-    if check and key not in _PACKING_AGREES:
+    if key not in _PACKING_AGREES:
         error = packing_error(weight.detach(), packed, None if bias is None else bias.detach())
         _PACKING_AGREES[key] = error <= PACKING_TOLERANCE[weight.dtype]
         if not _PACKING_AGREES[key]:
             logger.warning("oneDNN's packed linear differs from F.linear by %.2e (relative) on a %s %s weight on "
                            "this machine; drafting keeps the stock kernels for it.", error, tuple(weight.shape),
                            weight.dtype)
-    if check and not _PACKING_AGREES[key]:
-        return None
-    _PACKED_WEIGHTS[owner] = packed, stamp
-    return packed
+    return _PACKING_AGREES[key]
 
 
 def forget_packed_weight(owner: object) -> None:
@@ -201,7 +207,7 @@ def fastest_row_kernel(weight: torch.Tensor) -> str:
             candidates["mv-float32"] = weight.float()
         if weight.dtype in packing_dtypes():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            if packing_error(weight, packed) <= PACKING_TOLERANCE[weight.dtype]:
+            if packing_agrees(weight, packed):
                 candidates["packed"] = packed
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
         with torch.no_grad():

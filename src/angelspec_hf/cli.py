@@ -168,13 +168,13 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = summarise(runs)
     print(format_table(rows))
     torch.set_num_threads(engine_threads)
-    concurrency, engine_draft_dtype = [], draft_dtype
+    concurrency = []
+    # The engine's drafters follow the same rule beside its target: bfloat16 drafters beside the
+    # float32 engine on a CPU with bfloat16 units (measured at concurrency 4 with D-cut, each
+    # paired step by step with plain batched decoding and float32 drafters: DFlash 1.106x against
+    # 1.062x, DFly 1.112x against 1.057x, MTP 1.020x against 0.991x, the same outputs).
+    engine_draft_dtype = drafter_dtype(engine_target, args.drafter_dtype)
     if levels:
-        # The engine's drafters follow the same rule beside its target: bfloat16 drafters beside the
-        # float32 engine on a CPU with bfloat16 units (measured at concurrency 4 with D-cut, each
-        # paired step by step with plain batched decoding and float32 drafters: DFlash 1.106x against
-        # 1.062x, DFly 1.112x against 1.057x, MTP 1.020x against 0.991x, the same outputs).
-        engine_draft_dtype = drafter_dtype(engine_target, args.drafter_dtype)
         engine_drafters = drafters if engine_draft_dtype == draft_dtype else bench_drafters(
             engine_target, Path(args.modeling_dir), args.drafter, engine_draft_dtype)
         engine_cost = None if args.no_dcut else load_or_profile(engine_target, name)

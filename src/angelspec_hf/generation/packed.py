@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import AngelSpecError
-from ..modeling_angelspec_common import forget_packed_weight, packed_product, packed_weight
+from ..modeling_angelspec_common import forget_packed_weight, packed_product, packed_weight, packing_serves
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,9 @@ def _packed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` through the packed weight for two or more rows (bound per module as a
     method, so that ``copy.deepcopy`` of the model binds the copy's own weights)."""
     rows = math.prod(x.shape[:-1])
-    if (rows < MIN_ROWS or x.dtype != torch.float32 or self.weight.dtype != torch.float32 or x.device.type != "cpu"
-            or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+    # Float32 only (a target cast to bfloat16 after packing keeps the stock kernels); `packing_serves`
+    # adds a float32 input on a CPU with no gradient wanted.
+    if rows < MIN_ROWS or self.weight.dtype != torch.float32 or not packing_serves(self.weight, x):
         return F.linear(x, self.weight, self.bias)
     # Packed again if the weight changed since (updated in place or replaced); the shape was checked
     # when packing the target.
