@@ -187,11 +187,11 @@ def test_batch_dcut_with_nothing_queued_drafts_for_the_slowest_row():
     assert policy.window(rows, batch=2, context=10, queued=True) == 8
     expected = 2 + sum(0.95 ** j for j in range(1, 8)) + sum(0.01 ** j for j in range(1, 8))
     policy.observe([(rows[0], 7), (rows[1], 0)], batch=2, width=8, context=10, draft_seconds=0.0, queued=True)
-    assert policy.efficiency == pytest.approx((expected / 1.5) / 2)
+    assert policy.gate_for().efficiency == pytest.approx((expected / 1.5) / 2)
     # A step `window` did not see counts as accepted: the slowest row gained nothing here.
-    policy.efficiency = None
+    policy.gate_for().efficiency = None
     policy.observe([(rows[0], 7), (rows[1], 0)], batch=2, width=8, context=10, draft_seconds=0.0, queued=False)
-    assert policy.efficiency == pytest.approx(1 / 1.5)
+    assert policy.gate_for().efficiency == pytest.approx(1 / 1.5)
 
 
 def test_policies_learn_drafting_time_and_count_it_in_the_cut():
@@ -210,7 +210,7 @@ def test_policies_learn_drafting_time_and_count_it_in_the_cut():
     batch = BatchDCutPolicy(model, explore_every=1000)
     assert batch.window([[0.9, 0.5]], batch=1, context=10) == 2  # the pending token and one draft
     batch.observe([([0.9], 1)], batch=1, width=2, context=10, draft_seconds=1.0)
-    assert batch.row_draft_seconds == pytest.approx(1.0)
+    assert batch.gate_for().row_draft_seconds == pytest.approx(1.0)
     assert batch.window([[0.9, 0.5]], batch=1, context=10) == 3  # 1.9 / 2.5 < 2.35 / 3.0
 
 
@@ -254,13 +254,13 @@ def test_policy_stops_drafting_when_it_does_not_pay_and_explores():
 def test_retries_that_do_not_pay_back_off():
     policy = DCutPolicy(linear_cost(0.1, 0.05), explore_every=4, max_backoff=4)
     policy.observe([0.9, 0.9], accepted=0, draft_seconds=0.1, context=50)
-    assert policy.backoff == 2 and [policy.should_draft() for _ in range(8)] == [False] * 7 + [True]
+    assert policy.gate.backoff == 2 and [policy.should_draft() for _ in range(8)] == [False] * 7 + [True]
     policy.observe([0.9, 0.9], accepted=0, draft_seconds=0.1, context=50)
     policy.observe([0.9, 0.9], accepted=0, draft_seconds=0.1, context=50)
-    assert policy.backoff == 4 and [policy.should_draft() for _ in range(16)] == [False] * 15 + [True]
+    assert policy.gate.backoff == 4 and [policy.should_draft() for _ in range(16)] == [False] * 15 + [True]
     for _ in range(30):  # drafting pays again: back to the short wait, and drafting every round
         policy.observe([0.9, 0.9, 0.9], accepted=3, draft_seconds=0.01, context=50)
-    assert policy.backoff == 1 and policy.should_draft()
+    assert policy.gate.backoff == 1 and policy.should_draft()
 
 
 def test_batch1_gate_weighs_a_round_by_what_the_cut_expected():
@@ -268,10 +268,10 @@ def test_batch1_gate_weighs_a_round_by_what_the_cut_expected():
     policy = DCutPolicy(linear_cost(1.0, 0.0), explore_every=1000)
     assert policy.choose([0.9, 0.8], context=10) == 2  # verification is free: keep both
     policy.observe([0.9, 0.8], accepted=0, draft_seconds=0.0, context=10)
-    assert policy.efficiency == pytest.approx(1 + 0.9 + 0.9 * 0.8)
+    assert policy.gate.efficiency == pytest.approx(1 + 0.9 + 0.9 * 0.8)
     # Without a `choose` the round counts for what it accepted.
     policy.observe([0.9, 0.8], accepted=1, draft_seconds=0.0, context=10)
-    assert policy.efficiency == pytest.approx((1 + 0.9 + 0.72 + 2) / 2)
+    assert policy.gate.efficiency == pytest.approx((1 + 0.9 + 0.72 + 2) / 2)
 
 
 def test_gate_averages_its_first_rounds_evenly():
@@ -281,9 +281,9 @@ def test_gate_averages_its_first_rounds_evenly():
     rates = [0.5, 1.5, 1.3, 1.1]
     for tokens in rates:
         policy.observe([], accepted=round(tokens * 10) - 1, draft_seconds=9.0, context=10)  # 10x the time
-    assert policy.efficiency == pytest.approx(sum(rates) / 4)
+    assert policy.gate.efficiency == pytest.approx(sum(rates) / 4)
     policy.observe([], accepted=19, draft_seconds=9.0, context=10)  # rate 2.0, now at the smoothing
-    assert policy.efficiency == pytest.approx(0.75 * 1.1 + 0.25 * 2.0)
+    assert policy.gate.efficiency == pytest.approx(0.75 * 1.1 + 0.25 * 2.0)
 
 
 @pytest.mark.parametrize("budget, wait", [(None, 16), (0.02, 400), (0.5, 16)])
@@ -294,7 +294,7 @@ def test_batch_retries_wait_until_their_loss_fits_the_probe_budget(budget, wait)
     # 16 rows drafted, none accepted: 2 s drafting + 16 s verifying for 16 tokens a plain step
     # makes in 2 s, so the round lost 8 plain steps.
     policy.observe([([0.9] * 7, 0)] * 16, batch=16, width=8, context=10, draft_seconds=2.0)
-    assert policy.lost_steps == pytest.approx(8.0)
+    assert policy.gate_for().lost_steps == pytest.approx(8.0)
     assert [policy.should_draft() for _ in range(wait)] == [False] * (wait - 1) + [True]
 
 
@@ -305,13 +305,13 @@ def test_batch_gate_reopens_when_the_batch_shrinks_enough_for_drafting_to_pay():
     # 16 rows, nothing queued, every row accepted 3 of 7: the slowest row made 4 tokens in
     # 1.6 s drafting + 16 s verifying, where a plain step makes 1 in 2 s.
     policy.observe([([0.9] * 7, 3)] * 16, batch=16, width=8, context=10, draft_seconds=1.6, queued=False)
-    assert policy.efficiency == pytest.approx((4 / 17.6) / (1 / 2.0))
-    assert policy.predicted_efficiency(16, 10) == pytest.approx(policy.efficiency)
+    assert policy.gate_for().efficiency == pytest.approx((4 / 17.6) / (1 / 2.0))
+    assert policy.predicted_efficiency(16, 10) == pytest.approx(policy.gate_for().efficiency)
     # One row left: 0.1 s drafting + 1.2 s verifying 8 slots for 4 tokens, against 1 token in 1 s.
     assert policy.predicted_efficiency(1, 10) == pytest.approx((4 / 1.3) / 1.0)
     assert [policy.should_draft(16, 10, False) for _ in range(7)] == [False] * 7
     assert policy.should_draft(1, 10, False)
-    assert policy.skipped == 0
+    assert policy.gate_for().skipped == 0
     # The queue state changed the objective: no repricing, the timed retry decides.
     assert not policy.should_draft(1, 10, True)
 
@@ -332,6 +332,52 @@ def test_batch_dcut_calibrates_each_drafter_on_its_own():
     assert policy.window([[0.9] * 3], batch=1, context=10, arms=["overconfident"]) == 1
 
 
+def _gated_steps(policy, arms, confidences, draft_seconds, queued=True, steps=20):
+    """``steps`` engine steps of 4 rows at context 10, each row accepting nothing."""
+    for _ in range(steps):
+        width = policy.window(confidences, batch=4, context=10, queued=queued, arms=arms)
+        policy.observe([(row, 0) for row in confidences], batch=4, width=width, context=10,
+                       draft_seconds=draft_seconds, queued=queued, arms=arms)
+
+
+def test_batch_dcut_gates_each_drafter_on_its_own():
+    """A drafter whose rows cost drafting time and gain nothing closes its own gate, not the gate
+    of the drafter beside it whose rows pay (one gate for both closed on the pair's mean)."""
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    rows = [[0.9] * 7] * 2 + [[0.05] * 7] * 2
+    # Verifying 8 slots costs 1.2 plain steps; the costly drafter spends 3 s a step, the other 0.1 s.
+    split = BatchDCutPolicy(linear_cost(1.0, 0.2 / 7), explore_every=1000, track_pace=False)
+    _gated_steps(split, ["pays"] * 2 + ["costly"] * 2, rows, {"pays": 0.1, "costly": 3.0})
+    shared = BatchDCutPolicy(linear_cost(1.0, 0.2 / 7), explore_every=1000, track_pace=False)
+    _gated_steps(shared, None, rows, 3.1)
+    # The calibration learns that nothing is accepted; the gates weigh what each step expected.
+    assert split.gate_for("pays").efficiency > 1.0 and split.should_draft(4, 10, arm="pays")
+    assert split.gate_for("costly").efficiency < 1.0 and not split.should_draft(4, 10, arm="costly")
+    assert shared.gate_for().efficiency < 1.0 and not shared.should_draft(4, 10)
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_drafters_with_the_same_rows_are_gated_like_one(queued):
+    """Each drafter's share of a step (its rows' tokens, its drafting, its rows' share of the
+    forward) adds up to the step: two drafters serving alike rows each see the step's efficiency."""
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    rows = [[0.9, 0.6, 0.3]] * 3
+    policies = [BatchDCutPolicy(linear_cost(1.0, 0.3), explore_every=1000, track_pace=False) for _ in range(2)]
+    # 3 of the 4 rows draft; the fourth advances its one token. One step: after it the drafters'
+    # calibrations differ (they saw different rows).
+    for policy, arms, seconds in ((policies[0], None, 0.6), (policies[1], ["a", "b", "a"], {"a": 0.4, "b": 0.2})):
+        width = policy.window(rows, batch=4, context=10, queued=queued, remaining=[20, 20, 20, 5], arms=arms)
+        assert width == 3
+        policy.observe([(row, 1) for row in rows], batch=4, width=width, context=10, draft_seconds=seconds,
+                       queued=queued, arms=arms)
+    one, (a, b) = policies[0].gate_for(), (policies[1].gate_for(arm) for arm in "ab")
+    assert a.efficiency == pytest.approx(one.efficiency) and b.efficiency == pytest.approx(one.efficiency)
+    assert a.row_draft_seconds == pytest.approx(one.row_draft_seconds) == pytest.approx(0.2)
+    assert policies[1].predicted_efficiency(2, 10, "a") == pytest.approx(policies[0].predicted_efficiency(2, 10))
+
+
 def test_batch_gate_without_a_measured_step_cannot_predict():
     from angelspec_hf.generation import BatchDCutPolicy
 
@@ -349,7 +395,7 @@ def test_probe_budget_bounds_the_time_lost_to_retries():
     for _ in range(5000):
         if policy.should_draft():
             policy.observe([([0.9] * 7, 0)] * 16, batch=16, width=8, context=10, draft_seconds=2.0)
-            lost += policy.lost_steps
+            lost += policy.gate_for().lost_steps
         else:
             plain += 1
     assert 0 < lost <= 0.02 * plain + 8  # the very first round is not a retry
@@ -513,14 +559,14 @@ def test_drafting_time_counts_at_the_profiles_speed(slowdown):
         step(elsewhere, slowdown)
         step(unpaced, slowdown)
     assert at_speed.pace == pytest.approx(1.0) and elsewhere.pace == pytest.approx(slowdown)
-    assert elsewhere.efficiency == pytest.approx(at_speed.efficiency)
-    assert elsewhere.row_draft_seconds == pytest.approx(at_speed.row_draft_seconds) == pytest.approx(2.0)
+    assert elsewhere.gate_for().efficiency == pytest.approx(at_speed.gate_for().efficiency)
+    assert elsewhere.gate_for().row_draft_seconds == pytest.approx(at_speed.gate_for().row_draft_seconds) == pytest.approx(2.0)
     assert elsewhere.windows == at_speed.windows
     # At the profile's speed drafting pays (about 3.7 expected tokens in 3.2 s against 1 a second);
     # counted on the wall clock of a machine 2-3x slower than its profile it would not.
-    assert at_speed.efficiency > 1.1 and at_speed.should_draft(1, 10) and elsewhere.should_draft(1, 10)
+    assert at_speed.gate_for().efficiency > 1.1 and at_speed.should_draft(1, 10) and elsewhere.should_draft(1, 10)
     if slowdown > 1.5:
-        assert unpaced.efficiency < 1.0 and not unpaced.should_draft(1, 10)
+        assert unpaced.gate_for().efficiency < 1.0 and not unpaced.should_draft(1, 10)
 
 
 def test_batch1_dcut_learns_the_pace_and_drafts_as_at_the_profiles_speed():
@@ -534,7 +580,7 @@ def test_batch1_dcut_learns_the_pace_and_drafts_as_at_the_profiles_speed():
             policy.observe([0.8, 0.8, 0.8], accepted=2, draft_seconds=0.3 * machine, context=50)
     assert slow.pace == pytest.approx(2.5)
     assert slow.position_seconds == pytest.approx(at_speed.position_seconds) == pytest.approx(0.1)
-    assert slow.efficiency == pytest.approx(at_speed.efficiency)
+    assert slow.gate.efficiency == pytest.approx(at_speed.gate.efficiency)
 
 
 def test_generate_tells_the_policy_how_long_each_verify_forward_took(targets):

@@ -293,7 +293,7 @@ def test_batch_dcut_stops_drafting_that_never_pays(setup):
     for prompt, output in zip(prompts, outputs):
         assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
     steps = sum(entry["rounds"] for entry in engine.stats) / 4  # engine steps, at least
-    assert policy.efficiency < 1.0 and len(policy.windows) < steps / 2, (policy.windows, steps)
+    assert policy.gate_for("drafter").efficiency < 1.0 and len(policy.windows) < steps / 2, (policy.windows, steps)
     assert all(w == 1 for i, w in enumerate(policy.windows, 1) if i % 4), "only exploration keeps drafts"
 
 
@@ -348,13 +348,47 @@ def test_declared_domains_pick_their_drafter(setup):
     assert {entry["index"]: entry["drafter"] for entry in engine.stats} == dict(enumerate(domains))
 
 
+def test_each_declared_drafter_is_gated_on_its_own(setup):
+    """With D-cut, the rows of a drafter whose drafts never pay stop drafting while the rows of the
+    drafter beside them that pays keep drafting; every row still equals its plain generate."""
+    from angelspec_hf.generation import BatchDCutPolicy, CostModel
+
+    target, drafters, prompts = setup
+    torch.manual_seed(9)
+    useless = DFlyDrafter.from_target(target, block_size=5).eval()
+    # Every verified slot costs a tenth of a forward, so drafts that are never accepted lose.
+    tokens = [1, 2, 4, 8]
+    cost = CostModel(target="t", hardware="t", tokens=tokens, contexts=[0, 512],
+                     seconds=[[1.0 + 0.1 * (t - 1)] * 2 for t in tokens])
+    policy = BatchDCutPolicy(cost, explore_every=4, probe_budget=None, track_pace=False)
+    asked: dict[str, list[bool]] = {"fitted": [], "useless": []}
+    should_draft = policy.should_draft
+
+    def counted(batch, context, queued, arm):
+        asked[arm].append(should_draft(batch, context, queued, arm=arm))
+        return asked[arm][-1]
+
+    policy.should_draft = counted
+    engine = SpeculativeEngine(target, {"fitted": drafters["dfly"], "useless": useless}, max_batch_size=4,
+                               policy=policy)
+    # Requests wait for a slot (8 for 4), so D-cut maximises the tokens summed over rows.
+    domains = ["fitted", "useless"] * 4
+    outputs = engine.generate(prompts, max_new_tokens=30, domains=domains)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=30, eos_token_id=None)
+    # Once nothing waits, the run lasts as long as its slowest row, a useless drafter's one: the
+    # fitted drafter's rows stop drafting too, since their drafts no longer shorten it.
+    assert sum(asked["useless"]) < len(asked["useless"]) / 4, asked["useless"]
+    assert sum(asked["fitted"]) > 0.7 * len(asked["fitted"]), asked["fitted"]
+
+
 class _ClosedThenOpen:
     """A batch policy that keeps drafting off for the first ``closed`` steps, then never cuts."""
 
     def __init__(self, closed: int):
         self.closed = closed
 
-    def should_draft(self, batch, context, queued) -> bool:
+    def should_draft(self, batch, context, queued, arm) -> bool:
         self.closed -= 1
         return self.closed < 0
 

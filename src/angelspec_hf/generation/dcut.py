@@ -6,9 +6,9 @@ acceptance of position j. Keeping k positions yields ``1 + sum_{j<=k} s_j`` toke
 verification of k+1 tokens, whose cost comes from the profiled `CostModel`; D-cut keeps the k that
 maximises tokens per second, counting the round's drafting time with its verification. Drafting
 itself is timed online, and put into the profile's time by the pace of the target's forwards
-(measured over predicted, see `_DraftGate.record_forward`); when recent rounds were expected (by
+(measured over predicted, see `DCutPolicy.record_forward`); when recent rounds were expected (by
 their calibrated survivals) to make fewer tokens per second than plain decoding would have, the
-policy stops drafting and only retries after ``explore_every`` rounds or more (see `_DraftGate`),
+policy stops drafting and only retries after ``explore_every`` rounds or more (see `DraftGate`),
 so a speculative configuration is not slower than AR for long.
 Every ``explore_every``-th kept draft is kept whole, so the calibration keeps seeing outcomes at
 every depth even when the current estimate says to cut short.
@@ -19,11 +19,11 @@ The candidate generators look for ``drafter.draft_policy`` (duck-typed: ``should
 `BatchDCutPolicy` is the same idea for `SpeculativeEngine`: the verify window is a budget shared by
 all active requests, priced by the batch-aware cost model ``C(batch, window, context)``; the
 window is widened only while the survivals it admits, summed over requests, raise expected tokens
-per second, and drafting stops for the whole batch when it has not been paying (on a CPU at
-concurrency 16 a forward is compute-bound and drafted slots are rarely worth their cost). The
+per second, and a drafter's rows stop drafting when its drafting has not been paying (on a CPU
+at concurrency 16 a forward is compute-bound and drafted slots are rarely worth their cost). A
 closed gate reopens as soon as its last drafting step, repriced at the current batch and context,
-would pay (`BatchDCutPolicy.predicted_efficiency`), and each drafter of a routed batch has its own
-calibration.
+would pay (`BatchDCutPolicy.predicted_efficiency`); each drafter of a routed batch has its own
+gate and calibration.
 """
 
 from __future__ import annotations
@@ -168,10 +168,10 @@ class FixedLengthPolicy:
         pass
 
 
-class _DraftGate:
-    """Stops drafting while it has not been paying and retries after ``explore_every`` rounds,
-    doubling the wait after every retry that did not pay either (up to ``max_backoff`` times),
-    since each retry costs a drafting round that is slower than plain decoding.
+class DraftGate:
+    """When to draft: stops drafting while it has not been paying and retries after
+    ``explore_every`` rounds, doubling the wait after every retry that did not pay either (up to
+    ``max_backoff`` times), since each retry costs a drafting round that is slower than plain decoding.
 
     With ``probe_budget`` the wait is also long enough that failed retries cost at most that
     fraction of the time: a retry that lost L plain steps' worth of time is followed by at least
@@ -181,10 +181,56 @@ class _DraftGate:
     retry costs a fraction of a step.
     """
 
-    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
-                 probe_budget: float | None = None, track_pace: bool = True):
+    def __init__(self, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
+                 probe_budget: float | None = None):
         if probe_budget is not None and not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget is a fraction of the time (0 < probe_budget <= 1), got {probe_budget}")
+        self.explore_every = explore_every
+        self.smoothing = smoothing
+        self.max_backoff = max_backoff
+        self.probe_budget = probe_budget
+        self.efficiency: float | None = None  # moving average of (tokens/s drafting) / (tokens/s plain)
+        self.rounds = 0  # drafting rounds measured (see `record_rate`)
+        self.lost_steps = 0.0  # plain steps' worth of time the last drafting round lost (0 if it paid)
+        self.backoff = 1
+        self.skipped = 0
+
+    def wait(self) -> int:
+        """Plain steps to take before retrying while drafting has not been paying."""
+        steps = self.explore_every * self.backoff
+        if self.probe_budget is not None:
+            steps = max(steps, math.ceil(self.lost_steps / self.probe_budget))
+        return steps
+
+    def should_draft(self) -> bool:
+        if self.efficiency is None or self.efficiency >= 1.0:
+            return True
+        self.skipped += 1
+        if self.skipped >= self.wait():
+            self.skipped = 0
+            return True
+        return False
+
+    def record_rate(self, tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> None:
+        """One drafting round made ``tokens`` in ``seconds``; a plain step makes ``plain_tokens`` in ``plain_seconds``."""
+        ratio = rate_over_plain(tokens, seconds, plain_tokens, plain_seconds)
+        # Until ``1 / smoothing`` rounds are in, the plain mean of the rounds so far: a moving average
+        # that starts at the first round lets that one round weigh as much as the next 1 / smoothing
+        # together, and a first round that drafted badly then closed the gate for the run (measured on
+        # the reference target, MTP-TTT3 on 3 chat prompts: drafting in 16 of 124 rounds, 0.97x plain
+        # decoding; fixed length 1.07x; with this mean and expected gains 1.11x).
+        self.rounds += 1
+        self.efficiency = _moving(self.efficiency, ratio, max(self.smoothing, 1 / self.rounds))
+        self.lost_steps = max(0.0, seconds / plain_seconds - tokens / plain_tokens)
+        self.backoff = 1 if self.efficiency >= 1.0 else min(2 * self.backoff, self.max_backoff)
+
+
+class _PacedPolicy:
+    """What both D-cut policies share: the cost model, the pace of this machine against it, the
+    calibration of confidences, and the settings of their draft gates (`DraftGate`)."""
+
+    def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
+                 probe_budget: float | None = None, track_pace: bool = True):
         self.cost_model = cost_model
         # Moving average of (measured forward seconds) / (the cost model's seconds for it): 1 while the
         # machine runs at the profile's speed; None until a forward is recorded (read as 1).
@@ -196,13 +242,11 @@ class _DraftGate:
         self.smoothing = smoothing
         self.max_backoff = max_backoff
         self.probe_budget = probe_budget
-        self.efficiency: float | None = None  # moving average of (tokens/s drafting) / (tokens/s plain)
-        self.rounds = 0  # drafting rounds measured (see `_record_rate`)
-        self.expected_gain: float | None = None  # what the policy expected of the round being verified, for `observe`
-        self.lost_steps = 0.0  # plain steps' worth of time the last drafting round lost (0 if it paid)
-        self.backoff = 1
-        self.skipped = 0
         self.decisions = 0
+        self._new_gate()  # checks the gate's settings now, not at the first drafting round
+
+    def _new_gate(self) -> DraftGate:
+        return DraftGate(self.explore_every, self.smoothing, self.max_backoff, self.probe_budget)
 
     def record_forward(self, seconds: float, width: int, context: int, batch: int = 1) -> None:
         """A target forward of ``batch`` rows verifying ``width`` tokens each at ``context`` took ``seconds``.
@@ -226,42 +270,8 @@ class _DraftGate:
         """Wall-clock seconds measured on this machine now, as the cost model's seconds."""
         return seconds / (self.pace or 1.0)
 
-    def wait(self) -> int:
-        """Plain steps to take before retrying while drafting has not been paying."""
-        steps = self.explore_every * self.backoff
-        if self.probe_budget is not None:
-            steps = max(steps, math.ceil(self.lost_steps / self.probe_budget))
-        return steps
 
-    def should_draft(self) -> bool:
-        if self.efficiency is None or self.efficiency >= 1.0:
-            return True
-        self.skipped += 1
-        if self.skipped >= self.wait():
-            self.skipped = 0
-            return True
-        return False
-
-    def _take_expected_gain(self) -> float | None:
-        """What the policy expected of the round being verified (None if it chose nothing), cleared for the next."""
-        gained, self.expected_gain = self.expected_gain, None
-        return gained
-
-    def _record_rate(self, tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> None:
-        """One drafting round made ``tokens`` in ``seconds``; a plain step makes ``plain_tokens`` in ``plain_seconds``."""
-        ratio = rate_over_plain(tokens, seconds, plain_tokens, plain_seconds)
-        # Until ``1 / smoothing`` rounds are in, the plain mean of the rounds so far: a moving average
-        # that starts at the first round lets that one round weigh as much as the next 1 / smoothing
-        # together, and a first round that drafted badly then closed the gate for the run (measured on
-        # the reference target, MTP-TTT3 on 3 chat prompts: drafting in 16 of 124 rounds, 0.97x plain
-        # decoding; fixed length 1.07x; with this mean and expected gains 1.11x).
-        self.rounds += 1
-        self.efficiency = _moving(self.efficiency, ratio, max(self.smoothing, 1 / self.rounds))
-        self.lost_steps = max(0.0, seconds / plain_seconds - tokens / plain_tokens)
-        self.backoff = 1 if self.efficiency >= 1.0 else min(2 * self.backoff, self.max_backoff)
-
-
-class DCutPolicy(_DraftGate):
+class DCutPolicy(_PacedPolicy):
     """Cost-aware draft cutting for one drafter at batch 1 (see the module docstring)."""
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.05, max_backoff: int = 1,
@@ -275,12 +285,17 @@ class DCutPolicy(_DraftGate):
         # whose efficiency hovers near 1 lost its paying phases (MTP + D-cut on math: 1.17x without
         # backoff, 0.97x with it); in the engine, where a retry costs a whole batch, it pays.
         super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget, track_pace)
+        self.gate = self._new_gate()
+        self.expected_gain: float | None = None  # what `choose` expected of the round being verified, for `observe`
         self.position_seconds: float | None = None  # moving average of drafting time per drafted position (profile time)
         self.longest_draft: int | None = None  # the most positions a round has drafted (exploration rounds draft all)
         self.drafted = 0  # positions the round being verified drafted (what `choose` saw)
 
     def verify(self, context: int):
         return lambda tokens: self.cost_model.verify_seconds(tokens, context)
+
+    def should_draft(self) -> bool:
+        return self.gate.should_draft()
 
     def keep_drafting(self, confidences: list[float], context: int) -> bool:
         """Asked after each drafted token, so that sequential drafters stop early (exploration rounds never do)."""
@@ -310,17 +325,16 @@ class DCutPolicy(_DraftGate):
         accepts 0 or a few tokens, far noisier than its expectation, and the realised counts closed
         the gate on drafting that paid (measured on the reference target, DFly-Block8 on a math
         prompt: tau 1.38 where the fixed length had 1.91; with expected gains and the even start of
-        `_record_rate` 1.88). A round `choose`
-        did not see counts as accepted."""
+        `DraftGate.record_rate` 1.88). A round `choose` did not see counts as accepted."""
         for position, confidence in enumerate(confidences[: accepted + 1]):
             self.calibrator.update(confidence, position < accepted)
         drafted, self.drafted = max(self.drafted, len(confidences), 1), 0
         draft_seconds = self.in_profile_time(draft_seconds)
         self.position_seconds = _moving(self.position_seconds, draft_seconds / drafted, self.smoothing)
         verify = self.verify(context)
-        gained = self._take_expected_gain()
+        gained, self.expected_gain = self.expected_gain, None
         gained = accepted + 1 if gained is None else gained
-        self._record_rate(gained, draft_seconds + verify(len(confidences) + 1), 1, verify(1))
+        self.gate.record_rate(gained, draft_seconds + verify(len(confidences) + 1), 1, verify(1))
 
 
 # About the last 10 forwards: a few seconds of decoding, shorter than the slow spells of a shared machine.
@@ -336,26 +350,56 @@ def _moving(average: float | None, value: float, smoothing: float) -> float:
     return value if average is None else (1 - smoothing) * average + smoothing * value
 
 
-class BatchDCutPolicy(_DraftGate):
+class ArmGate(DraftGate):
+    """The draft gate of one drafter in a batched engine, with what it learnt of that drafter's
+    steps: its drafting time per row and its latest measured step (for `BatchDCutPolicy.predicted_efficiency`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.row_draft_seconds: float | None = None  # moving average of drafting time per drafting row (profile time)
+        self.last_step: _MeasuredStep | None = None
+        self.drafting_rows = 0  # this drafter's rows that drafted in the step being verified (what `window` saw)
+        self.expected_gain: float | None = None  # this drafter's share of what `window` expected of that step
+
+
+class BatchDCutPolicy(_PacedPolicy):
     """D-cut across the requests of a batched engine step (see the module docstring).
 
     The engine calls `should_draft` before drafting, `window` with every drafting row's raw
     confidences after it, and `observe` once the step's forward has been verified.
 
+    Each drafter (``arm``, named by the engine; None for rows without a name) has its own draft
+    gate (`ArmGate`) and calibration. Why: with a gate shared by every drafter of a routed batch,
+    the requests settled on a drafter that did not pay (chat) pulled the shared efficiency below 1
+    and closed drafting for the code and math requests another drafter served well (measured on the
+    reference target, engine at concurrency 4 with the three shipped drafters and 9 mixed prompts:
+    the router drafted in 41-119 steps where DFly-Block8 alone drafted in 127-137, and ran at 0.94x
+    of DFly + D-cut's throughput). A drafter's gate weighs its own rows' expected tokens against its
+    own drafting time and its rows' share of the step's verify forward (the drafting rows share the
+    widening of the window; the rows that did not draft are shared out between the drafters in
+    proportion to their drafting rows), which for one drafter is the step's own rate.
+
     ``probe_budget`` (default 2%) bounds the time that retries which do not pay may take (see
-    `_DraftGate`); ``None`` leaves only the doubling wait.
+    `DraftGate`); ``None`` leaves only the doubling wait.
     """
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
                  probe_budget: float | None = 0.02, track_pace: bool = True):
         super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget, track_pace)
         self.windows: list[int] = []  # chosen window of every drafting step, for reports
-        self.row_draft_seconds: float | None = None  # moving average of a step's drafting time per drafting row (profile time)
-        self.drafting_rows = 0  # rows that drafted in the step being verified (what `window` saw)
-        self.last_step: _MeasuredStep | None = None  # what the latest drafting step was, for `predicted_efficiency`
+        self.gates: dict[str | None, ArmGate] = {}
         # One calibration per drafter: rows of a routed engine draft with different drafters, whose
         # confidences mean different acceptance rates (``self.calibrator`` serves rows without a name).
         self.calibrators: dict[str, Calibrator] = {}
+
+    def _new_gate(self) -> ArmGate:
+        return ArmGate(self.explore_every, self.smoothing, self.max_backoff, self.probe_budget)
+
+    def gate_for(self, arm: str | None = None) -> ArmGate:
+        gate = self.gates.get(arm)
+        if gate is None:
+            gate = self.gates[arm] = self._new_gate()
+        return gate
 
     def calibrator_for(self, arm: str | None) -> Calibrator:
         if arm is None:
@@ -365,21 +409,24 @@ class BatchDCutPolicy(_DraftGate):
     def verify(self, batch: int, context: int):
         return lambda width: self.cost_model.verify_seconds(width, context, batch)
 
-    def should_draft(self, batch: int | None = None, context: int | None = None, queued: bool = True) -> bool:
-        """Whether this step drafts: while drafting pays; else when `predicted_efficiency` says the
-        batch or context has changed enough that it would pay now; else on the timed retries of
-        `_DraftGate`. The engine passes the step's active rows, context and queue state."""
-        last = self.last_step
-        closed = self.efficiency is not None and self.efficiency < 1.0
+    def should_draft(self, batch: int | None = None, context: int | None = None, queued: bool = True,
+                     arm: str | None = None) -> bool:
+        """Whether ``arm``'s rows draft this step: while its drafting pays; else when
+        `predicted_efficiency` says the batch or context has changed enough that it would pay now;
+        else on the timed retries of `DraftGate`. The engine passes the step's active rows, context
+        and queue state, and asks once per drafter."""
+        gate = self.gate_for(arm)
+        last = gate.last_step
+        closed = gate.efficiency is not None and gate.efficiency < 1.0
         # A step under the other objective (the queue filled or emptied) is not repriced: timed retries.
         if closed and batch is not None and context is not None and last is not None and last.queued == queued:
-            if self.predicted_efficiency(batch, context) >= 1.0:
-                self.skipped = 0
+            if self.predicted_efficiency(batch, context, arm) >= 1.0:
+                gate.skipped = 0
                 return True
-        return super().should_draft()
+        return gate.should_draft()
 
-    def predicted_efficiency(self, batch: int, context: int) -> float:
-        """The gate's efficiency carried over to a step of ``batch`` rows at ``context``: the last
+    def predicted_efficiency(self, batch: int, context: int, arm: str | None = None) -> float:
+        """``arm``'s efficiency carried over to a step of ``batch`` rows at ``context``: its last
         drafting step's gain, drafting share and window repriced with the cost model, relative to
         what they were worth where they were measured. Unchanged conditions give the efficiency
         itself, so only a real change (rows leaving, contexts growing) reopens the gate.
@@ -389,18 +436,19 @@ class BatchDCutPolicy(_DraftGate):
         from one where it still loses, and each costs a whole batch's drafting round (on the
         reference CPU with 12 rows 0.3-0.7 plain steps). A step whose window was cut to nothing
         reprices as nothing, so only the timed retries reopen the gate after it."""
-        if self.efficiency is None or self.last_step is None:
+        gate = self.gate_for(arm)
+        if gate.efficiency is None or gate.last_step is None:
             raise ValueError("predicted_efficiency needs a measured drafting step first")
-        last = self.last_step
-        return self.efficiency * last.relative_rate(self, batch, context) / last.relative_rate(
-            self, last.batch, last.context)
+        last = gate.last_step
+        return gate.efficiency * last.relative_rate(self, gate, batch, context) / last.relative_rate(
+            self, gate, last.batch, last.context)
 
     def window(self, confidences: list[list[float]], batch: int, context: int, queued: bool = True,
                remaining: list[int] | None = None, arms: list[str] | None = None) -> int:
         """Verify window for this step (1 = no drafts); ``confidences`` of the rows that drafted;
         ``remaining``: tokens still to generate for every active row, the drafting rows first in the
         order of ``confidences`` (see `best_window`); ``arms``: the drafter each drafting row used,
-        in the same order, so that each drafter's confidences are calibrated on their own.
+        in the same order, so that each drafter's confidences are calibrated and gated on their own.
 
         ``queued``: whether requests wait for a slot. If they do, every accepted token frees capacity
         for them and tokens per second summed over rows is what to maximise; if not, the run ends
@@ -411,55 +459,91 @@ class BatchDCutPolicy(_DraftGate):
         Every ``explore_every``-th decision keeps whole drafts, so calibration sees every depth.
         """
         self.decisions += 1
-        self.drafting_rows = len(confidences)
         longest = max((len(c) for c in confidences), default=0)
         arms = arms if arms is not None else [None] * len(confidences)
         survivals = [survival_of([self.calibrator_for(arm)(c) for c in row]) for row, arm in zip(confidences, arms)]
-        survivals += [[]] * (batch - len(confidences))
         if self.decisions % self.explore_every == 0:
             width = longest + 1
         else:
-            sunk = (self.row_draft_seconds or 0.0) * len(confidences)
-            width = best_window(survivals, self.verify(batch, context), slowest_row=not queued, sunk_seconds=sunk,
-                                remaining=remaining)
-        self.expected_gain = step_progress(survivals, width, not queued, remaining)
+            sunk = sum(self.gate_for(arm).row_draft_seconds or 0.0 for arm in arms)
+            width = best_window(survivals + [[]] * (batch - len(confidences)), self.verify(batch, context),
+                                slowest_row=not queued, sunk_seconds=sunk, remaining=remaining)
+        for arm in dict.fromkeys(arms):
+            gate = self.gate_for(arm)
+            gate.drafting_rows = arms.count(arm)
+            gate.expected_gain = self._arm_progress(arm, arms, survivals, batch, width, queued, remaining)
         self.windows.append(width)
         return width
 
-    def observe(self, kept: list[tuple[list[float], int]], batch: int, width: int, context: int,
-                draft_seconds: float, queued: bool = True, arms: list[str] | None = None) -> None:
-        """Learn from a verified step: per drafting row its kept confidences and accepted count,
-        plus what the step's drafting cost in total; ``queued`` and ``arms`` as in `window`.
+    @staticmethod
+    def _arm_progress(arm, arms: list, survivals: list[list[float]], batch: int, width: int, queued: bool,
+                      remaining: list[int] | None) -> float:
+        """``arm``'s share of what a step of ``width`` is expected to achieve (see `step_progress`):
+        its own rows' tokens plus, in proportion to its drafting rows, the rows that did not draft."""
+        mine = [i for i, a in enumerate(arms) if a == arm]
+        share = len(mine) / len(arms)
+        undrafted = batch - len(arms)
+        if queued:
+            return sum(expected_tokens(survivals[i], width - 1) for i in mine) + share * undrafted
+        rows = [survivals[i] for i in mine] + [[]] * undrafted
+        left = None if remaining is None else [remaining[i] for i in mine] + remaining[len(arms):]
+        return share * step_progress(rows, width, slowest_row=True, remaining=left)
 
-        The gate weighs the step by what `window` expected of it (calibrated survivals of the window
-        it chose), not by what was accepted: a few rows' acceptances vary far more from step to
-        step than their expectation, and the realised counts closed the gate where drafting paid
-        (measured on the reference target, engine at concurrency 4, DFly-Block8, 12 mixed prompts:
-        1.09x plain batched decoding gated on realised counts, 1.28x / 1.36x with the gate held
-        open, fixed windows of 4 / 8 tokens 1.34x / 1.16x). A step `window` did not see counts as
-        accepted."""
-        for (confidences, accepted), arm in zip(kept, arms if arms is not None else [None] * len(kept)):
+    def observe(self, kept: list[tuple[list[float], int]], batch: int, width: int, context: int,
+                draft_seconds: float | dict, queued: bool = True, arms: list[str] | None = None) -> None:
+        """Learn from a verified step: per drafting row its kept confidences and accepted count,
+        plus what the step's drafting cost (in total, or per drafter as ``{arm: seconds}``);
+        ``queued`` and ``arms`` as in `window`.
+
+        Each drafter's gate weighs the step by what `window` expected of its rows (calibrated
+        survivals of the window it chose), not by what was accepted: a few rows' acceptances vary
+        far more from step to step than their expectation, and the realised counts closed the gate
+        where drafting paid (measured on the reference target, engine at concurrency 4,
+        DFly-Block8, 12 mixed prompts: 1.09x plain batched decoding gated on realised counts, 1.28x
+        / 1.36x with the gate held open, fixed windows of 4 / 8 tokens 1.34x / 1.16x). A step
+        `window` did not see counts as accepted."""
+        arms = arms if arms is not None else [None] * len(kept)
+        for (confidences, accepted), arm in zip(kept, arms):
             calibrator = self.calibrator_for(arm)
             for position, confidence in enumerate(confidences[: accepted + 1]):
                 calibrator.update(confidence, position < accepted)
-        rows, self.drafting_rows = max(self.drafting_rows, len(kept), 1), 0
-        draft_seconds = self.in_profile_time(draft_seconds)
-        self.row_draft_seconds = _moving(self.row_draft_seconds, draft_seconds / rows, self.smoothing)
+        drafting = {arm: gate for arm, gate in self.gates.items() if gate.drafting_rows}
+        for arm in arms:
+            drafting.setdefault(arm, self.gate_for(arm))
+        if not drafting:
+            drafting[None] = self.gate_for(None)
+        rows = {arm: max(gate.drafting_rows, arms.count(arm), 1) for arm, gate in drafting.items()}
+        seconds = self._split_draft_seconds(draft_seconds, rows)
         verify = self.verify(batch, context)
         plain = batch if queued else 1
-        gained = self._take_expected_gain()
-        if gained is None and queued:
-            gained = batch + sum(accepted for _, accepted in kept)
-        elif gained is None:
-            # Rows that did not draft advanced one token, like a plain step.
-            gained = 1 + (min(accepted for _, accepted in kept) if len(kept) == batch else 0)
-        self.last_step = _MeasuredStep(batch, context, queued, width, rows / batch, gained)
-        self._record_rate(gained, draft_seconds + verify(width), plain, verify(1))
+        for arm, gate in drafting.items():
+            share = rows[arm] / sum(rows.values())
+            gate.drafting_rows = 0
+            arm_seconds = self.in_profile_time(seconds[arm])
+            gate.row_draft_seconds = _moving(gate.row_draft_seconds, arm_seconds / rows[arm], self.smoothing)
+            gained, gate.expected_gain = gate.expected_gain, None
+            if gained is None:
+                mine = [accepted for (_, accepted), a in zip(kept, arms) if a == arm]
+                if queued:
+                    gained = share * batch + sum(mine)
+                else:  # rows that did not draft advanced one token, like a plain step
+                    gained = share * (1 + (min(mine) if mine and len(kept) == batch else 0))
+            # The step as if every drafting row were this drafter's, to reprice it elsewhere.
+            gate.last_step = _MeasuredStep(batch, context, queued, width, rows[arm] / share / batch, gained / share)
+            gate.record_rate(gained, arm_seconds + share * verify(width), share * plain, share * verify(1))
+
+    @staticmethod
+    def _split_draft_seconds(draft_seconds: float | dict, rows: dict) -> dict:
+        """Drafting seconds per drafter: as given, or a total shared out by drafting rows."""
+        if isinstance(draft_seconds, dict):
+            return {arm: draft_seconds.get(arm, 0.0) for arm in rows}
+        total = sum(rows.values())
+        return {arm: draft_seconds * count / total for arm, count in rows.items()}
 
 
 @dataclass
 class _MeasuredStep:
-    """A drafting step as `BatchDCutPolicy` measured it, enough to reprice it elsewhere."""
+    """A drafting step as `BatchDCutPolicy` measured it for one drafter, enough to reprice it elsewhere."""
 
     batch: int
     context: int
@@ -468,11 +552,11 @@ class _MeasuredStep:
     drafting_share: float  # fraction of the active rows that drafted
     gain: float  # in the step's objective: tokens summed over rows if queued, else the slowest row's
 
-    def relative_rate(self, policy: "BatchDCutPolicy", batch: int, context: int) -> float:
+    def relative_rate(self, policy: BatchDCutPolicy, gate: ArmGate, batch: int, context: int) -> float:
         """Tokens per second of this step at ``batch`` rows and ``context``, over a plain step's there."""
         # The summed objective grows with the rows; the slowest row's progress does not.
         gain = self.gain * batch / self.batch if self.queued else self.gain
         verify = policy.verify(batch, context)
-        drafting = (policy.row_draft_seconds or 0.0) * self.drafting_share * batch
+        drafting = (gate.row_draft_seconds or 0.0) * self.drafting_share * batch
         plain = batch if self.queued else 1
         return rate_over_plain(gain, drafting + verify(self.width), plain, verify(1))

@@ -152,13 +152,14 @@ class SpeculativeEngine:
     ...         ...  # new tokens of every request that gained some; submit more at any time
 
     With ``policy=BatchDCutPolicy(load_or_profile(target, name))`` the verify window of every
-    step is chosen across the batch and drafting stops when it does not pay (a policy of your own
-    needs ``should_draft(batch, context, queued)``, ``window(confidences, batch, context, queued,
-    remaining, arms)`` and ``observe(outcomes, batch, width, context, draft_seconds, queued, arms)``;
-    ``queued`` says whether requests wait for a slot, ``remaining`` lists the active rows' tokens
-    still to generate, the drafting rows' first, in the order of ``confidences``, and ``arms`` names
-    the drafter of each drafting row, in the same order; optionally ``record_forward(seconds,
-    width, context, batch)``, told how long every verify forward took). After a call,
+    step is chosen across the batch and each drafter's rows stop drafting when it does not pay (a
+    policy of your own needs ``should_draft(batch, context, queued, arm)``, asked once per drafter
+    a step, ``window(confidences, batch, context, queued, remaining, arms)`` and ``observe(outcomes,
+    batch, width, context, draft_seconds, queued, arms)``; ``queued`` says whether requests wait for
+    a slot, ``remaining`` lists the active rows' tokens still to generate, the drafting rows' first,
+    in the order of ``confidences``, ``arms`` names the drafter of each drafting row, in the same
+    order, and ``draft_seconds`` maps each drafter that drafted to its time; optionally
+    ``record_forward(seconds, width, context, batch)``, told how long every verify forward took). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
     ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its scored
     probes. ``arm_evidence`` holds the pooled evidence of every scored probe: arm -> (tokens,
@@ -668,18 +669,21 @@ class SpeculativeEngine:
         # Finished rows whose last token's states are still wanted run it through once more.
         flushing = [not a and not self._flushed(row) for row, a in zip(rows, active)]
         policy = self.policy
-        any_drafter = any(row.generator is not None or self._shadow_arms(row) for row, a in zip(rows, active) if a)
-        # A round the policy keeps every drafter out of is plain decoding whatever a row's arm: no probe.
         batch, context = sum(active), valid.shape[1]
-        gated = any_drafter and policy is not None and not policy.should_draft(batch, context, queued)
-        drafting = any_drafter and not gated
+        # The policy gates each drafter (arm) on its own: rows whose arm it keeps out decode plainly
+        # this round, and their drafter catches up on the states it missed when it drafts again.
+        arms = {row.arm for row, a in zip(rows, active) if a and (row.generator is not None or self._shadow_arms(row))}
+        open_arms = {arm for arm in arms if policy is None or policy.should_draft(batch, context, queued, arm=arm)}
+        closed_arms = arms - open_arms
+        drafting_rows = [a and row.arm in open_arms for row, a in zip(rows, active)]
+        drafting = any(drafting_rows)
         for row in rows:
             row.draft_seconds, row.draft_logits = 0.0, None
-        drafts = self._draft(rows, active) if drafting else [[] for _ in rows]
+        drafts = self._draft(rows, drafting_rows) if drafting else [[] for _ in rows]
         for row, is_active in zip(rows, active):
             # "No drafter" gains the target's one token a round: a probe of it is any round the
-            # policy leaves open (a closed one would make every arm look like it).
-            if not gated and is_active and self._wants_probe(row, NO_DRAFTER):
+            # policy does not keep the row's arm out of (a closed one would make every arm look like it).
+            if is_active and row.arm not in closed_arms and self._wants_probe(row, NO_DRAFTER):
                 self._add_probe(row, NO_DRAFTER, [], 0.0)
         width = 1 + max(len(d) for d in drafts)
         if policy is not None and width > 1:
@@ -742,6 +746,9 @@ class SpeculativeEngine:
                         probe.verify_seconds = verify_share
                 self._score_probes(row, ended=self._finished(row))
         if policy is not None and drafting:
-            policy.observe(outcomes, batch, width, context, sum(row.draft_seconds for row in rows), queued=queued,
-                           arms=outcome_arms)
+            draft_seconds = {arm: 0.0 for arm in open_arms}
+            for row in rows:
+                if row.arm in draft_seconds:
+                    draft_seconds[row.arm] += row.draft_seconds
+            policy.observe(outcomes, batch, width, context, draft_seconds, queued=queued, arms=outcome_arms)
         return cache, torch.cat([valid, kept], dim=1)
