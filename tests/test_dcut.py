@@ -355,6 +355,8 @@ def test_batch_dcut_gates_each_drafter_on_its_own():
     assert split.gate_for("pays").efficiency > 1.0 and split.should_draft(4, 10, arm="pays")
     assert split.gate_for("costly").efficiency < 1.0 and not split.should_draft(4, 10, arm="costly")
     assert shared.gate_for().efficiency < 1.0 and not shared.should_draft(4, 10)
+    # What routing weighs: open before a drafter is measured, closed while its drafting does not pay.
+    assert split.is_open("pays") and not split.is_open("costly") and split.is_open("unmeasured")
 
 
 @pytest.mark.parametrize("queued", [True, False])

@@ -1,6 +1,7 @@
 """The batched engine: every row equals its own plain greedy generate, rows join and leave."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -527,6 +528,7 @@ def test_probes_are_scored_against_the_committed_text():
 
     engine = SpeculativeEngine.__new__(SpeculativeEngine)
     engine.arm_evidence, engine.probe_rounds, engine.drafters = {}, 1, {}
+    engine.arm_record, engine.route_margin, engine.policy = {}, 0.25, None
     row = _Row(0, [1, 2, 3, 7, 8, 9], 3, 10, probing=["a", "b", "c", "none"])
     row.probes = [
         _Probe("a", 3, [7, 8, 5], 0.01, 0.1),  # misses at its third token: 2 drafts + 1
@@ -542,26 +544,47 @@ def test_probes_are_scored_against_the_committed_text():
     assert row.arm_scores["b"] == [5, pytest.approx(0.12), 1] and row.probes == []
     assert row.probing == [] and row.arm == "b"  # 5 tokens in 0.12 s: the best rate
     assert engine.arm_evidence == row.arm_scores
+    # Competitive: within 25% of the best rate (41.7 tokens/s): "b" alone; "a" makes 27.3.
+    assert engine.arm_record == {"a": [0, 1], "b": [1, 1], "c": [0, 1], "none": [0, 1]}
     ended = _Row(0, [1, 2, 3, 7], 3, 1, probing=["b"])
     ended.probes = [_Probe("b", 3, [7, 8], 0.02, 0.1)]
     engine._score_probes(ended, ended=True)
     assert ended.arm_scores == {"b": [2, pytest.approx(0.12), 1]} and ended.probes == []
 
 
-def test_arms_the_pooled_evidence_puts_behind_are_not_probed(setup):
+def test_arms_competitive_for_no_request_are_not_probed(setup):
+    """An arm is dropped from later requests' probes once enough requests probed it and it came
+    near the best in none; one competitive in a single request stays (in a mixed workload the
+    drafter that loses on chat can win on code). The others are ordered by pooled rate."""
     engine = _fitted_against_useless(setup, max_batch_size=4)
     assert engine._arms_to_probe() == ["fitted", "useless", "none"]
-    # Too few rounds (fewer than 4 per probe round) to judge "useless": still probed, first; the
-    # others from the best pooled rate down.
-    engine.arm_evidence.update({"fitted": [400, 4.0, 100], "useless": [7, 0.7, 7], "none": [24, 0.3, 30]})
-    assert engine._arms_to_probe() == ["useless", "fitted", "none"]
-    engine.arm_evidence["useless"] = [8, 0.8, 8]
-    assert engine._arms_to_probe() == ["fitted", "none"]  # 10 tokens/s against 100: skipped
-    # "none" at 33 tokens/s is within 25% of a 40 tokens/s drafter: still probed; at 28 it is not.
-    engine.arm_evidence.update({"fitted": [400, 10.0, 100], "none": [33, 1.0, 30]})
+    engine.arm_record.update({"fitted": [3, 3], "useless": [0, 3], "none": [1, 3]})
+    assert engine._arms_to_probe() == ["fitted", "useless", "none"]  # 3 requests: too few to judge
+    engine.arm_record.update({"fitted": [4, 4], "useless": [0, 4], "none": [1, 4]})
     assert engine._arms_to_probe() == ["fitted", "none"]
-    engine.arm_evidence["none"] = [28, 1.0, 30]
-    assert engine._arms_to_probe() == ["fitted"]
+    # A pooled rate far behind does not drop an arm that was competitive somewhere.
+    engine.arm_evidence.update({"fitted": [400, 4.0, 100], "none": [10, 1.0, 30]})
+    engine.arm_record["useless"] = [1, 9]
+    engine.arm_evidence["useless"] = [8, 0.8, 8]
+    assert engine._arms_to_probe() == ["fitted", "useless", "none"]
+
+
+def test_a_request_does_not_settle_on_a_drafter_the_policy_keeps_closed(setup):
+    """Rows on a closed drafter decode plainly: the request settles on the best open drafter
+    (or "no drafter"), unless every drafter it probed is closed."""
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    closed: set = set()
+    engine.policy = SimpleNamespace(is_open=lambda arm: arm not in closed)
+    probes = {"fitted": (8, 0.1, 2), "useless": (6, 0.1, 2), "none": (2, 0.08, 2)}
+    assert engine._settling_arms(_routed_row(engine, probes)) == ["fitted", "none", "useless"]
+    closed.add("fitted")
+    row = _routed_row(engine, probes)
+    engine._settle(row)
+    assert row.arm == "useless" and set(row.generators) == {"useless"}
+    closed.add("useless")
+    row = _routed_row(engine, probes)
+    engine._settle(row)
+    assert row.arm == "fitted"  # every drafter closed: none left out
 
 
 def test_later_requests_skip_the_arm_earlier_ones_found_useless(setup):
@@ -588,7 +611,8 @@ def test_probing_verifies_only_the_pooled_best_arm(setup):
     the pooled evidence, is verified: no round goes to an arm the evidence puts behind."""
     engine = _fitted_against_useless(setup, max_batch_size=2)
     engine.arm_evidence.update({"fitted": [400, 4.0, 100], "useless": [140, 1.4, 100], "none": [30, 0.4, 30]})
-    assert engine._arms_to_probe() == ["fitted", "useless", "none"]  # "useless" at 100 tokens/s: still probed
+    engine.arm_record["useless"] = [1, 1]  # competitive once: never dropped from the probes
+    assert engine._arms_to_probe() == ["fitted", "useless", "none"]
     assert engine._live_arm(engine._arms_to_probe()) == "fitted"
     verified: list[tuple[int, str]] = []
     step = engine._step

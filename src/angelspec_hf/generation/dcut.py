@@ -401,6 +401,12 @@ class BatchDCutPolicy(_PacedPolicy):
             gate = self.gates[arm] = self._new_gate()
         return gate
 
+    def is_open(self, arm: str | None = None) -> bool:
+        """Whether ``arm``'s drafting has been paying (True before it is measured): a router weighs
+        it when choosing a drafter, since rows on a closed one decode plainly until it reopens."""
+        gate = self.gates.get(arm)
+        return gate is None or gate.efficiency is None or gate.efficiency >= 1.0
+
     def calibrator_for(self, arm: str | None) -> Calibrator:
         if arm is None:
             return self.calibrator

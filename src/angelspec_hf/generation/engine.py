@@ -18,8 +18,11 @@ of the request's own text, and the request keeps the best arm. Probing so costs 
 drafting (a draft is a small fraction of a verify forward), where probing by verifying each arm
 in turn spent whole rounds on arms that lose. A few probes are still a noisy sample, so every
 probe also feeds evidence pooled over the engine's requests: a request's choice weighs its own
-probes against the pooled rate of each arm, and arms the pooled evidence shows well behind the
-best are no longer probed by the requests that join later. A candidate drafter ingests the
+probes against the pooled rate of each arm, and an arm that was not competitive in the probes of
+any of the last requests that tried it is no longer probed by the requests that join later
+(judged request by request, not on pooled rates: in a mixed workload the drafter that loses on
+chat can be the best one on code). A drafter the policy keeps closed (its drafting does not pay
+at this batch) is not settled on while another one drafts. A candidate drafter ingests the
 request's context only when it drafts (it catches up on what it missed then), so after the
 probes the arms a request dropped cost nothing. Under sampling a shadow is scored against the
 sampled tokens, which undercounts what speculative sampling would accept, alike for every arm.
@@ -59,6 +62,8 @@ class EngineRequestError(AngelSpecError, ValueError):
 
 
 NO_DRAFTER = "none"
+# Requests that must have probed an arm before it may be dropped from the arms later requests probe.
+PRUNE_AFTER_REQUESTS = 4
 
 
 @dataclass
@@ -159,7 +164,8 @@ class SpeculativeEngine:
     a slot, ``remaining`` lists the active rows' tokens still to generate, the drafting rows' first,
     in the order of ``confidences``, ``arms`` names the drafter of each drafting row, in the same
     order, and ``draft_seconds`` maps each drafter that drafted to its time; optionally
-    ``record_forward(seconds, width, context, batch)``, told how long every verify forward took). After a call,
+    ``record_forward(seconds, width, context, batch)``, told how long every verify forward took,
+    and ``is_open(arm)``, whether a drafter's drafting pays, which routing weighs). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
     ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its scored
     probes. ``arm_evidence`` holds the pooled evidence of every scored probe: arm -> (tokens,
@@ -167,10 +173,12 @@ class SpeculativeEngine:
     `generate` calls (``arm_evidence.clear()`` forgets it, for example when the workload changes).
 
     Routing: ``probe_rounds`` probes per arm, drafted side by side in the request's first drafting
-    rounds while the pooled best arm (the first drafter before there is evidence) is verified; an
-    arm whose pooled rate, over at least ``4 * probe_rounds`` probes, is below ``1 - route_margin``
-    of the best arm's is not probed by later requests. The request then settles on the arm with
-    the best rate, its own probes weighed against the pooled evidence.
+    rounds while the pooled best arm (the first drafter before there is evidence) is verified. The
+    request then settles on the arm with the best rate, its own probes weighed against the pooled
+    evidence (a drafter the policy keeps closed only if every drafter is closed). An arm is
+    competitive for a request when its own probes' rate is at least ``1 - route_margin`` of the
+    request's best arm's (``arm_record``: arm -> [competitive, probed] requests); one competitive
+    for none of at least `PRUNE_AFTER_REQUESTS` requests is not probed by later ones.
     """
 
     def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2, policy=None,
@@ -191,6 +199,8 @@ class SpeculativeEngine:
             raise ValueError(f"route_margin must be in [0, 1), got {route_margin}.")
         self.probe_rounds, self.route_margin = probe_rounds, route_margin
         self.arm_evidence: dict[str, list] = {}  # arm -> [tokens, seconds, rounds] over every scored probe
+        # arm -> [requests whose probes found it competitive, requests that probed it], for `_arms_to_probe`
+        self.arm_record: dict[str, list[int]] = {}
         # A batch policy (`BatchDCutPolicy`) sizes each step's verify window across requests and
         # may skip drafting; without one every row's draft is verified whole.
         self.policy = policy
@@ -541,17 +551,32 @@ class SpeculativeEngine:
         return tokens / seconds if rounds >= 4 * self.probe_rounds and seconds > 0 else None
 
     def _arms_to_probe(self) -> list[str]:
-        """Every arm but those the pooled evidence already puts ``route_margin`` behind the best:
-        arms without enough evidence first, then the others from the best pooled rate down."""
-        arms = self._arms
+        """Every arm but those that, over at least `PRUNE_AFTER_REQUESTS` requests that probed
+        them, were competitive (see `_record_competition`) in none: arms without a pooled rate
+        first, then the others from the best pooled rate down.
+
+        Why not the pooled rates themselves: they mix the workload's domains. Served in domain
+        order, the chat requests' probes put DFly-Block8 at half DFlash's pooled rate, and the code
+        and math requests after them never probed the drafter made for them (concurrency 4 on the
+        reference target, 12 mixed prompts)."""
+        arms = [arm for arm in self._arms if not self._outclassed(arm)]
         rates = {arm: self._pooled_rate(arm) for arm in arms}
-        best = max((rate for rate in rates.values() if rate is not None), default=None)
-        if best is None:
-            return arms
         unknown = [arm for arm in arms if rates[arm] is None]
-        known = sorted((arm for arm in arms if rates[arm] is not None and rates[arm] >= (1.0 - self.route_margin) * best),
-                       key=lambda arm: -rates[arm])
-        return unknown + known
+        return unknown + sorted((arm for arm in arms if rates[arm] is not None), key=lambda arm: -rates[arm])
+
+    def _outclassed(self, arm: str) -> bool:
+        competitive, probed = self.arm_record.get(arm, (0, 0))
+        return probed >= PRUNE_AFTER_REQUESTS and competitive == 0
+
+    def _record_competition(self, row: _Row) -> None:
+        """Count, for every arm a request probed, whether its own rate came within ``route_margin``
+        of the request's best arm's."""
+        rates = {arm: tokens / seconds for arm, (tokens, seconds, _) in row.arm_scores.items() if seconds > 0}
+        best = max(rates.values(), default=0.0)
+        for arm, rate in rates.items():
+            record = self.arm_record.setdefault(arm, [0, 0])
+            record[0] += rate >= (1.0 - self.route_margin) * best
+            record[1] += 1
 
     def _live_arm(self, probing: list[str]) -> str:
         """The arm verified while a request probes: the best pooled one, or the first drafter
@@ -614,15 +639,32 @@ class SpeculativeEngine:
         score[0], score[1], score[2] = score[0] + tokens, score[1] + seconds, score[2] + 1
 
     def _settle(self, row: _Row) -> None:
-        """End a request's probes on the arm with the best blended rate among those it probed; drop
-        the other drafters."""
+        """End a request's probes on the arm with the best blended rate among those it may settle
+        on (`_settling_arms`); drop the other drafters."""
         # Only arms with probes of its own: an arm's pooled rate says how it did on other requests'
         # text, and a code request once settled on MTP, never probed, on chat requests' evidence.
         if row.arm_scores:
-            row.arm = max(sorted(row.arm_scores), key=lambda arm: self._blended_rate(row, arm))
+            self._record_competition(row)
+            row.arm = max(self._settling_arms(row), key=lambda arm: self._blended_rate(row, arm))
         row.probing = []
         row.generators = {row.arm: row.generators[row.arm]} if row.arm in row.generators else {}
         row.pending = {arm: states for arm, states in row.pending.items() if arm in row.generators}
+
+    def _settling_arms(self, row: _Row) -> list[str]:
+        """The arms a request may settle on: those it probed, less the drafters the policy keeps
+        closed while another probed drafter is open.
+
+        Why: rows on a closed drafter decode plainly. The MTP drafter's gate closes at concurrency
+        4 on the reference CPU (its drafting does not pay there), and requests whose two probes put
+        it ahead by a hair, chat and code, ran at tau 1.07 for 76-119 rounds beside DFlash rows at
+        2.0-2.5. With every drafter closed none is left out, so that a gate hovering near 1 does not
+        send every request to "no drafter"."""
+        probed = sorted(row.arm_scores)
+        is_open = getattr(self.policy, "is_open", None)
+        drafting = [arm for arm in probed if arm != NO_DRAFTER and (is_open is None or is_open(arm))]
+        if not drafting:
+            return probed
+        return [arm for arm in probed if arm == NO_DRAFTER or arm in drafting]
 
     def _draft(self, rows: list[_Row], active: list[bool]) -> list[list[int]]:
         """Every active row's draft, and the shadow drafts of probing rows: each drafter ingests the
