@@ -580,11 +580,49 @@ def test_a_request_does_not_settle_on_a_drafter_the_policy_keeps_closed(setup):
     closed.add("fitted")
     row = _routed_row(engine, probes)
     engine._settle(row)
-    assert row.arm == "useless" and set(row.generators) == {"useless"}
+    assert row.arm == "useless" and set(row.generators) == {"useless", "fitted"}  # the other idle
     closed.add("useless")
     row = _routed_row(engine, probes)
     engine._settle(row)
     assert row.arm == "fitted"  # every drafter closed: none left out
+
+
+def test_a_request_leaves_a_drafter_the_policy_closes_after_it_settled(setup):
+    """Settled while both drafters were open, the request keeps the other one idle; once the
+    policy closes its drafter it moves, once, to the open one, and drops the idle drafters."""
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    closed: set = set()
+    engine.policy = SimpleNamespace(is_open=lambda arm: arm not in closed)
+    row = _routed_row(engine, {"fitted": (8, 0.1, 2), "useless": (6, 0.1, 2), "none": (2, 0.08, 2)})
+    engine._settle(row)
+    assert row.arm == "fitted" and set(row.generators) == {"fitted", "useless"}
+    engine._leave_closed_drafter(row)
+    assert row.arm == "fitted" and not row.switched  # its drafter is open: it stays
+    closed.update({"fitted", "useless"})
+    engine._leave_closed_drafter(row)
+    assert row.arm == "fitted" and set(row.generators) == {"fitted", "useless"}  # nowhere open to go
+    closed.discard("useless")
+    engine._leave_closed_drafter(row)
+    assert row.arm == "useless" and row.switched and set(row.generators) == {"useless"}
+    closed.add("useless")
+    engine._leave_closed_drafter(row)
+    assert row.arm == "useless"  # once only
+    # Without a policy that gates drafters, a settled request keeps its drafter alone.
+    engine.policy = None
+    row = _routed_row(engine, {"fitted": (8, 0.1, 2), "useless": (6, 0.1, 2)})
+    engine._settle(row)
+    assert set(row.generators) == {"fitted"}
+
+
+def test_requests_that_leave_a_closed_drafter_stay_exact(setup):
+    """Served end to end by a policy that closes the fitted drafter once requests have settled on
+    it: they move to the other drafter, which catches up on the states it missed, and every
+    output stays token-identical to plain decoding."""
+    policy = cutting_policy(explore_every=1000, slot_cost=0.0)
+    policy.is_open = lambda arm=None: arm != "fitted" or policy.decisions < 6
+    engine = _fitted_against_useless(setup, max_batch_size=2, policy=policy)
+    _serve_five_checked(setup, engine, forward_seconds=0.05)
+    assert any(entry["switched"] for entry in engine.stats), engine.stats
 
 
 def test_later_requests_skip_the_arm_earlier_ones_found_useless(setup):
@@ -611,7 +649,7 @@ def test_probing_verifies_only_the_pooled_best_arm(setup):
     the pooled evidence, is verified: no round goes to an arm the evidence puts behind."""
     engine = _fitted_against_useless(setup, max_batch_size=2)
     engine.arm_evidence.update({"fitted": [400, 4.0, 100], "useless": [140, 1.4, 100], "none": [30, 0.4, 30]})
-    engine.arm_record["useless"] = [1, 1]  # competitive once: never dropped from the probes
+    engine.arm_record.update({"useless": [1, 1], "none": [1, 1]})  # competitive once: never dropped from the probes
     assert engine._arms_to_probe() == ["fitted", "useless", "none"]
     assert engine._live_arm(engine._arms_to_probe()) == "fitted"
     verified: list[tuple[int, str]] = []

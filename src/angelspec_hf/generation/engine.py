@@ -22,7 +22,8 @@ probes against the pooled rate of each arm, and an arm that was not competitive 
 any of the last requests that tried it is no longer probed by the requests that join later
 (judged request by request, not on pooled rates: in a mixed workload the drafter that loses on
 chat can be the best one on code). A drafter the policy keeps closed (its drafting does not pay
-at this batch) is not settled on while another one drafts. A candidate drafter ingests the
+at this batch) is not settled on while another one drafts, and a request whose drafter the
+policy closes after it settled moves, once, to the open drafter it probed best. A candidate drafter ingests the
 request's context only when it drafts (it catches up on what it missed then), so after the
 probes the arms a request dropped cost nothing. Under sampling a shadow is scored against the
 sampled tokens, which undercounts what speculative sampling would accept, alike for every arm.
@@ -90,6 +91,7 @@ class _Row:
     probing: list[str] = field(default_factory=list)  # arms this request still scores (empty: settled)
     probes: list[_Probe] = field(default_factory=list)  # drafted probes not scored yet
     arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds, rounds] of this request's scored probes
+    switched: bool = False  # left the drafter it settled on when the policy closed it
     # arm -> hidden states of the row's committed positions that arm's drafter has not ingested
     # yet, one entry per forward; a drafter ingests only when it drafts.
     pending: dict = field(default_factory=dict)
@@ -175,7 +177,9 @@ class SpeculativeEngine:
     Routing: ``probe_rounds`` probes per arm, drafted side by side in the request's first drafting
     rounds while the pooled best arm (the first drafter before there is evidence) is verified. The
     request then settles on the arm with the best rate, its own probes weighed against the pooled
-    evidence (a drafter the policy keeps closed only if every drafter is closed). An arm is
+    evidence (a drafter the policy keeps closed only if every drafter is closed; one it closes
+    later is left, once, for the best open drafter the request probed: ``switched`` in its
+    stats). An arm is
     competitive for a request when its own probes' rate is at least ``1 - route_margin`` of the
     request's best arm's (``arm_record``: arm -> [competitive, probed] requests); one competitive
     for none of at least `PRUNE_AFTER_REQUESTS` requests is not probed by later ones.
@@ -353,7 +357,7 @@ class SpeculativeEngine:
         if self.capture_layers is not None:
             self.captured_states[row.index] = self._gather_captured(row)
         self.stats.append({"index": row.index, "rounds": len(row.accepted), "accepted": row.accepted,
-                           "drafter": row.arm,
+                           "drafter": row.arm, "switched": row.switched,
                            "probes": {arm: tuple(score) for arm, score in row.arm_scores.items()}})
 
     @staticmethod
@@ -647,8 +651,35 @@ class SpeculativeEngine:
             self._record_competition(row)
             row.arm = max(self._settling_arms(row), key=lambda arm: self._blended_rate(row, arm))
         row.probing = []
-        row.generators = {row.arm: row.generators[row.arm]} if row.arm in row.generators else {}
+        # The probed drafters stay, idle, for `_leave_closed_drafter`, where the policy can close one.
+        keep = {row.arm} | (set(row.arm_scores) if row.arm != NO_DRAFTER and self._policy_gates_arms else set())
+        self._keep_generators(row, keep)
+
+    @property
+    def _policy_gates_arms(self) -> bool:
+        return callable(getattr(self.policy, "is_open", None))
+
+    @staticmethod
+    def _keep_generators(row: _Row, arms: set) -> None:
+        row.generators = {arm: generator for arm, generator in row.generators.items() if arm in arms}
         row.pending = {arm: states for arm, states in row.pending.items() if arm in row.generators}
+
+    def _leave_closed_drafter(self, row: _Row) -> None:
+        """Move a settled request off a drafter the policy has closed, to the open drafter it
+        probed best, once; its idle drafters go either way once it has moved.
+
+        Why: a request settles when its probes are scored, which for the first requests is before
+        the policy has measured a step of most drafters; at concurrency 4 on the reference CPU the
+        MTP drafter's gate then closed, and the requests on it decoded plainly for 76-122 rounds
+        (tau 1.04-1.09) while DFlash rows beside them made 2.0-2.5 tokens a round. The new
+        drafter catches up on the states it missed in one call, as after any closed round."""
+        if row.probing or row.switched or len(row.generators) < 2 or self.policy.is_open(row.arm):
+            return
+        open_arms = [arm for arm in sorted(row.generators) if arm != row.arm and self.policy.is_open(arm)]
+        if open_arms:
+            row.arm = max(open_arms, key=lambda arm: self._blended_rate(row, arm))
+            row.switched = True
+            self._keep_generators(row, {row.arm})
 
     def _settling_arms(self, row: _Row) -> list[str]:
         """The arms a request may settle on: those it probed, less the drafters the policy keeps
@@ -712,6 +743,10 @@ class SpeculativeEngine:
         flushing = [not a and not self._flushed(row) for row, a in zip(rows, active)]
         policy = self.policy
         batch, context = sum(active), valid.shape[1]
+        if self.route and self._policy_gates_arms:
+            for row, is_active in zip(rows, active):
+                if is_active:
+                    self._leave_closed_drafter(row)
         # The policy gates each drafter (arm) on its own: rows whose arm it keeps out decode plainly
         # this round, and their drafter catches up on the states it missed when it drafts again.
         arms = {row.arm for row, a in zip(rows, active) if a and (row.generator is not None or self._shadow_arms(row))}
