@@ -192,11 +192,13 @@ def test_repeated_engine_runs_report_median_drafting_steps_and_every_chosen_draf
     assert plain["drafting_steps"] is None and plain["drafters_chosen"] is None
 
 
-@pytest.mark.parametrize("bf16_ms,expected", [(120.0, "float32"), (80.0, "bfloat16"), (100.0, "bfloat16")])
+@pytest.mark.parametrize("bf16_ms,expected", [(120.0, "float32"), (80.0, "bfloat16"), (94.0, "bfloat16"),
+                                              (96.0, "float32"), (100.0, "float32")])
 def test_bench_picks_the_dtype_this_hardware_verifies_faster(targets, monkeypatch, bf16_ms, expected):
     """`bench --dtype auto` reads both dtypes' batch-1 cost profiles (bfloat16 with exact kernels,
     float32 with packed linears where oneDNN has them) and verifies in the faster one: on an
-    AVX2-only CPU bfloat16 verification took 2.3x float32's."""
+    AVX2-only CPU bfloat16 verification took 2.3x float32's. bfloat16 must be faster by 5%, what
+    its exact kernels cost plain decoding."""
     from types import SimpleNamespace
 
     from angelspec_hf import cli, generation

@@ -59,7 +59,8 @@ def install_verification_kernels(target: PreTrainedModel, stock: bool = False) -
 
 def faster_verification_dtype(target_name: str, display_name: str, threads: int,
                               stock: bool = False) -> tuple[str, dict[str, float]]:
-    """The dtype this hardware verifies drafts faster in (bfloat16 on a tie), and the milliseconds
+    """The dtype this hardware verifies drafts faster in (bfloat16 only by more than
+    `BFLOAT16_MARGIN`), and the milliseconds
     each takes to verify a draft of 8 at context 256 (batch 1, ``threads`` threads, with our
     verification kernels unless ``stock``: exact ones in bfloat16, packed linears in float32), read
     from the saved cost profiles (measured first where missing). Verification is what speculative
@@ -69,6 +70,14 @@ def faster_verification_dtype(target_name: str, display_name: str, threads: int,
     bfloat16 units (avx512_bf16), while on one with AVX2 only (emulated bfloat16) a 9-token bfloat16
     forward took 303 ms against float32's 134 (one thread, nothing else running): with plain float32
     decoding at 61 ms a token there, a drafter verified in bfloat16 needed tau above 5 to break even.
+
+    Why a margin: in bfloat16 the exact kernels (token identity) also slow every other forward
+    of the speculative rows, and plain decoding with them ran at 0.94x-0.96x the stock kernels that
+    the bench's speedups are then measured against, while float32's packed linears make plain
+    decoding faster, not slower. On the reference avx512_bf16 EPYC a 0.7% verification edge for
+    bfloat16 (67.3 against 67.8 ms, session 41) chose it, and every batch-1 drafter row ran below the
+    float32 run of the night before (MTP + D-cut on chat 1.34x against 1.54x, DFly + D-cut on math
+    1.61x against 2.02x).
     """
     from .generation import load_or_profile
 
@@ -78,7 +87,8 @@ def faster_verification_dtype(target_name: str, display_name: str, threads: int,
         target = load_target_model(target_name, dtype)
         install_verification_kernels(target, stock)
         verify_ms[dtype] = 1000 * load_or_profile(target, display_name, batch_sizes=(1,)).verify_seconds(9, 256)
-    return min(verify_ms, key=lambda dtype: (verify_ms[dtype], dtype != "bfloat16")), verify_ms
+    bfloat16_pays = verify_ms["bfloat16"] < (1.0 - BFLOAT16_MARGIN) * verify_ms["float32"]
+    return ("bfloat16" if bfloat16_pays else "float32"), verify_ms
 
 
 def drafter_dtype(target: PreTrainedModel, choice: str = "auto") -> torch.dtype:
@@ -197,6 +207,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 DTYPES = ("float32", "bfloat16")
+# How much faster bfloat16 must verify than float32 for `bench --dtype auto` to choose it
+# (see `faster_verification_dtype`): about what its exact kernels cost plain decoding.
+BFLOAT16_MARGIN = 0.05
 QUICK = (1, 48)  # prompts per set, new tokens of `bench --quick`
 
 
