@@ -522,8 +522,9 @@ class BatchDCutPolicy(_PacedPolicy):
         seconds = self._split_draft_seconds(draft_seconds, rows)
         verify = self.verify(batch, context)
         plain = batch if queued else 1
+        total_rows = sum(rows.values())
         for arm, gate in drafting.items():
-            share = rows[arm] / sum(rows.values())
+            share = rows[arm] / total_rows
             gate.drafting_rows = 0
             arm_seconds = self.in_profile_time(seconds[arm])
             gate.row_draft_seconds = _moving(gate.row_draft_seconds, arm_seconds / rows[arm], self.smoothing)
@@ -535,7 +536,7 @@ class BatchDCutPolicy(_PacedPolicy):
                 else:  # rows that did not draft advanced one token, like a plain step
                     gained = share * (1 + (min(mine) if mine and len(kept) == batch else 0))
             # The step as if every drafting row were this drafter's, to reprice it elsewhere.
-            gate.last_step = _MeasuredStep(batch, context, queued, width, rows[arm] / share / batch, gained / share)
+            gate.last_step = _MeasuredStep(batch, context, queued, width, total_rows / batch, gained / share)
             gate.record_rate(gained, arm_seconds + share * verify(width), share * plain, share * verify(1))
 
     @staticmethod

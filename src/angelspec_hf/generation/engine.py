@@ -23,9 +23,10 @@ any of the last requests that tried it is no longer probed by the requests that 
 (judged request by request, not on pooled rates: in a mixed workload the drafter that loses on
 chat can be the best one on code). A drafter the policy keeps closed (its drafting does not pay
 at this batch) is not settled on while another one drafts, and a request whose drafter the
-policy closes after it settled moves, once, to the open drafter it probed best. A candidate drafter ingests the
-request's context only when it drafts (it catches up on what it missed then), so after the
-probes the arms a request dropped cost nothing. Under sampling a shadow is scored against the
+policy closes after it settled moves, once, to the open drafter it probed best. A candidate
+drafter ingests the request's context only when it drafts (it catches up on what it missed
+then), so after the probes the drafters a request keeps idle hold only the states they have not
+read, and those it dropped cost nothing. Under sampling a shadow is scored against the
 sampled tokens, which undercounts what speculative sampling would accept, alike for every arm.
 
 Drafting reuses the drafters' own candidate generators, one per row, fed with that row's slice
@@ -179,10 +180,10 @@ class SpeculativeEngine:
     request then settles on the arm with the best rate, its own probes weighed against the pooled
     evidence (a drafter the policy keeps closed only if every drafter is closed; one it closes
     later is left, once, for the best open drafter the request probed: ``switched`` in its
-    stats). An arm is
-    competitive for a request when its own probes' rate is at least ``1 - route_margin`` of the
-    request's best arm's (``arm_record``: arm -> [competitive, probed] requests); one competitive
-    for none of at least `PRUNE_AFTER_REQUESTS` requests is not probed by later ones.
+    stats). An arm is competitive for a request when its own probes' rate is at least ``1 -
+    route_margin`` of the request's best arm's (``arm_record``: arm -> [competitive, probed]
+    requests); one competitive for none of at least `PRUNE_AFTER_REQUESTS` requests is not
+    probed by later ones.
     """
 
     def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2, policy=None,
@@ -644,7 +645,8 @@ class SpeculativeEngine:
 
     def _settle(self, row: _Row) -> None:
         """End a request's probes on the arm with the best blended rate among those it may settle
-        on (`_settling_arms`); drop the other drafters."""
+        on (`_settling_arms`); keep the other probed drafters idle where the policy can close its
+        drafter (see `_leave_closed_drafter`), else drop them."""
         # Only arms with probes of its own: an arm's pooled rate says how it did on other requests'
         # text, and a code request once settled on MTP, never probed, on chat requests' evidence.
         if row.arm_scores:
@@ -658,6 +660,10 @@ class SpeculativeEngine:
     @property
     def _policy_gates_arms(self) -> bool:
         return callable(getattr(self.policy, "is_open", None))
+
+    def _arm_open(self, arm: str) -> bool:
+        """Whether the policy lets drafter ``arm`` draft (a policy without ``is_open`` always does)."""
+        return not self._policy_gates_arms or self.policy.is_open(arm)
 
     @staticmethod
     def _keep_generators(row: _Row, arms: set) -> None:
@@ -673,9 +679,9 @@ class SpeculativeEngine:
         MTP drafter's gate then closed, and the requests on it decoded plainly for 76-122 rounds
         (tau 1.04-1.09) while DFlash rows beside them made 2.0-2.5 tokens a round. The new
         drafter catches up on the states it missed in one call, as after any closed round."""
-        if row.probing or row.switched or len(row.generators) < 2 or self.policy.is_open(row.arm):
+        if row.probing or row.switched or len(row.generators) < 2 or self._arm_open(row.arm):
             return
-        open_arms = [arm for arm in sorted(row.generators) if arm != row.arm and self.policy.is_open(arm)]
+        open_arms = [arm for arm in sorted(row.generators) if arm != row.arm and self._arm_open(arm)]
         if open_arms:
             row.arm = max(open_arms, key=lambda arm: self._blended_rate(row, arm))
             row.switched = True
@@ -691,8 +697,7 @@ class SpeculativeEngine:
         2.0-2.5. With every drafter closed none is left out, so that a gate hovering near 1 does not
         send every request to "no drafter"."""
         probed = sorted(row.arm_scores)
-        is_open = getattr(self.policy, "is_open", None)
-        drafting = [arm for arm in probed if arm != NO_DRAFTER and (is_open is None or is_open(arm))]
+        drafting = [arm for arm in probed if arm != NO_DRAFTER and self._arm_open(arm)]
         if not drafting:
             return probed
         return [arm for arm in probed if arm == NO_DRAFTER or arm in drafting]
