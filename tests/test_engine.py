@@ -680,3 +680,26 @@ def test_routed_rows_are_calibrated_per_drafter(setup):
     assert set(policy.calibrators) == {"fitted", "useless"}, policy.calibrators
     fitted, useless = (sum(policy.calibrators[arm].seen) for arm in ("fitted", "useless"))
     assert fitted > 0 and useless > 0
+
+
+def test_probes_pause_while_the_verified_drafter_is_measured_closed(setup):
+    """While the policy says a probing request's verified drafter does not pay, that drafter drafts
+    alone (probes beside it would only multiply drafting that does not pay); while it is open,
+    measured or not, the other drafter probes beside it. Outputs stay exact either way."""
+    closed = {"fitted"}
+    policy = cutting_policy(explore_every=1000, slot_cost=0.0)
+    policy.is_open = lambda arm=None: arm not in closed
+    engine = _fitted_against_useless(setup, max_batch_size=4, policy=policy)
+    drafted: list[str] = []
+    draft = engine._draft
+
+    def recorded(rows, active):
+        drafted.extend(arm for row, a in zip(rows, active) if a for arm in engine._shadow_arms(row))
+        return draft(rows, active)
+
+    engine._draft = recorded
+    _serve_five_checked(setup, engine, forward_seconds=0.01)
+    assert drafted == [] and all(entry["drafter"] == "fitted" for entry in engine.stats), engine.stats
+    closed.clear()
+    _serve_five_checked(setup, engine, forward_seconds=0.01)
+    assert "useless" in drafted, drafted
