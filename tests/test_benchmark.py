@@ -259,3 +259,36 @@ def test_bench_drafts_in_bfloat16_beside_a_float32_target_only_where_the_cpu_has
     rows = summarise(run_benchmark(target, tiny_tokenizer(), drafters, ["math"], per_set=2, max_new_tokens=12))
     assert "dfly-global-nocorr via transformers' DFlash" in {row["method"] for row in rows}
     assert all(row["lossless"] for row in rows)
+
+
+def test_a_sampled_benchmark_seeds_every_method_alike_and_reports_speed_only(targets, monkeypatch):
+    """With a temperature every method samples, each prompt from the same seed for every method, and
+    the rows say their outputs were not compared (speculative sampling keeps the distribution, not the draws)."""
+    target = targets.target("llama")
+    drafters = {"dfly": targets.fitted("llama", "dfly-hybrid-corr")}
+    calls = []
+    generate = type(target).generate
+
+    def recording(self, *args, **kwargs):
+        calls.append((torch.initial_seed(), kwargs.get("do_sample"), kwargs.get("temperature")))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "generate", recording)
+    runs = run_benchmark(target, tiny_tokenizer(), drafters, ["math"], per_set=2, max_new_tokens=10,
+                         cost_model=COST, temperature=0.8, seed=40)
+    measured = calls[1:]  # the first call is the greedy warm-up
+    assert {(sample, temperature) for _, sample, temperature in measured} == {(True, 0.8)}
+    methods = (AR, PROMPT_LOOKUP, "dfly", "dfly + D-cut")
+    assert [seed for seed, *_ in measured] == [40] * len(methods) + [41] * len(methods)
+    assert all(run.identical is None for run in runs)
+    rows = summarise(runs)
+    assert {row["method"] for row in rows} == set(methods) and all(row["lossless"] is None for row in rows)
+    assert all(line.endswith("sampled") for line in format_table(rows).splitlines()[2:])
+
+
+def test_a_negative_temperature_is_refused():
+    from angelspec_hf.benchmark import decoding_kwargs
+
+    assert decoding_kwargs(0) == {"do_sample": False}
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        decoding_kwargs(-0.5)

@@ -4,6 +4,11 @@ For every prompt all methods run back to back (interleaved, so drifts of a share
 them alike), greedy, and each method's output is compared with plain autoregressive generate.
 Per method and domain: median tokens/s, median speedup over AR on the same prompts, tau (tokens
 per target forward, for drafters), and whether every output was identical.
+
+With a temperature above 0 every method samples instead (each from the same seed on a prompt).
+Sampled outputs cannot be compared token for token: speculative sampling preserves the target's
+distribution, not its random draws, so those rows report losslessness as not checked here (the
+distribution is what `tests/test_sampling.py` checks) and speed only.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class Run:
     prompt_index: int
     new_tokens: int
     seconds: float
-    identical: bool
+    identical: bool | None  # None: sampled, so not comparable token for token
     tau: float | None
     plain: bool = False  # plain decoding (AR or a baseline): the fastest of these is what speedups are against
 
@@ -88,19 +93,30 @@ def transformers_dflash_assistant(drafter, dtype: torch.dtype | None = None):
         return AutoModel.from_pretrained(directory, dtype=dtype or drafter.dtype).eval()
 
 
+def decoding_kwargs(temperature: float) -> dict:
+    """``generate`` settings of a benchmark run: greedy at temperature 0, else plain sampling at it."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    return {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
+
+
 def benchmark_prompts(domains: list[str], per_set: int) -> list[tuple[str, int, str]]:
     return [(domain, index, prompt) for domain in domains for index, prompt in enumerate(domain_prompts(domain, "eval", per_set))]
 
 
 def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
                   max_new_tokens: int, cost_model=None, references: dict | None = None,
-                  baselines: list[Method] = (), reference_target=None) -> list[Run]:
+                  baselines: list[Method] = (), reference_target=None, temperature: float = 0.0,
+                  seed: int = 0) -> list[Run]:
     """Batch-1 runs; ``references`` (if given) receives each prompt's plain greedy output ids from
-    ``reference_target`` (default ``target``).
+    ``reference_target`` (default ``target``). ``temperature`` > 0 samples: every method starts
+    each prompt from the same seed (``seed`` plus the prompt's number), outputs are not compared.
 
     ``baselines`` are more plain-decoding rows, on other targets or thread counts, interleaved
     right after AR: each method's output must equal the first output of its own target.
     """
+    decoding = decoding_kwargs(temperature)
+    sampled = decoding["do_sample"]
     methods = methods_for(drafters, cost_model, target_dtype=target.dtype)
     methods[1:1] = list(baselines)
     prompts = benchmark_prompts(domains, per_set)
@@ -111,7 +127,7 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
         inputs = chat_inputs(tokenizer, prompts[0][2])
         for model in {id(m.target or target): m.target or target for m in methods}.values():
             model.generate(**inputs, max_new_tokens=4, do_sample=False)  # warm-up
-        for domain, index, prompt in tqdm(prompts, desc="benchmark", unit="prompt"):
+        for number, (domain, index, prompt) in enumerate(tqdm(prompts, desc="benchmark", unit="prompt")):
             inputs = chat_inputs(tokenizer, prompt)
             first_output: dict[int, torch.Tensor] = {}
             for method in methods:
@@ -121,10 +137,11 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
                 torch.set_num_threads(method.threads or default_threads)
                 forwards = []
                 hook = model.register_forward_hook(lambda *_: forwards.append(1)) if method.count_forwards else None
+                if sampled:
+                    torch.manual_seed(seed + number)
                 start = time.perf_counter()
                 try:
-                    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                         **method.generate_kwargs)
+                    out = model.generate(**inputs, max_new_tokens=max_new_tokens, **decoding, **method.generate_kwargs)
                 finally:
                     seconds = time.perf_counter() - start
                     torch.set_num_threads(default_threads)
@@ -133,7 +150,7 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
                     if method.policy is not None:
                         del method.drafter.draft_policy
                 reference = first_output.setdefault(id(model), out)
-                if reference is out and model is reference_target and references is not None:
+                if reference is out and model is reference_target and references is not None and not sampled:
                     references[(domain, index)] = out[0].tolist()
                 stats = getattr(method.drafter, "last_speculation_stats", None)
                 new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
@@ -142,7 +159,8 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
                     # The prefill forward yields the first token; each later forward verifies one round.
                     tau = (new_tokens - 1) / max(len(forwards) - 1, 1)
                 plain = method.name == AR or any(method is b for b in baselines)
-                runs.append(Run(method.name, domain, index, new_tokens, seconds, torch.equal(out, reference), tau, plain))
+                identical = None if sampled else torch.equal(out, reference)
+                runs.append(Run(method.name, domain, index, new_tokens, seconds, identical, tau, plain))
     return runs
 
 
@@ -290,9 +308,12 @@ def summarise(runs: list[Run]) -> list[dict]:
                 "tokens_per_s": statistics.median(r.tokens_per_s for r in mine),
                 "speedup": statistics.median(r.tokens_per_s / ar[(r.domain, r.prompt_index)].tokens_per_s for r in mine),
                 "tau": statistics.mean(taus) if taus else None,
-                "lossless": all(r.identical for r in mine),
+                "lossless": None if any(r.identical is None for r in mine) else all(r.identical for r in mine),
             })
     return rows
+
+
+LOSSLESS_LABELS = {True: "yes", False: "NO", None: "sampled"}
 
 
 def format_table(rows: list[dict], group: str = "domain") -> str:
@@ -302,7 +323,7 @@ def format_table(rows: list[dict], group: str = "domain") -> str:
     for row in rows:
         tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
         lines.append(f"{row['method'][:48]:48} {str(row[group]):>6} {row['prompts']:>3} {tau:>5} "
-                     f"{row['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {'yes' if row['lossless'] else 'NO':>8}")
+                     f"{row['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {LOSSLESS_LABELS[row['lossless']]:>8}")
     return "\n".join(lines)
 
 
