@@ -54,6 +54,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import AngelSpecError, UnsupportedCacheError
+from ..modeling_angelspec_common import sample_tokens
 from .dcut import FixedLengthPolicy
 
 logger = logging.getLogger(__name__)
@@ -380,7 +381,7 @@ class SpeculativeEngine:
         if not row.do_sample:
             return int(logits.argmax())
         processed = row.processors(torch.tensor([ids], device=logits.device), logits[None].float())
-        return int(torch.multinomial(processed.softmax(-1), 1))
+        return int(sample_tokens(processed.softmax(-1)))
 
     def _accept(self, row: _Row, draft: list[int], logits: torch.Tensor) -> list[int]:
         """Tokens a row gains from its window's target logits: accepted drafts plus one target token."""
@@ -397,7 +398,7 @@ class SpeculativeEngine:
                 residual = (p - q).clamp_min(0)
                 if float(residual.sum()) <= 0:
                     residual = p
-                return draft[:j] + [int(torch.multinomial(residual / residual.sum(), 1))]
+                return draft[:j] + [int(sample_tokens(residual[None]))]
             ids.append(token)
         return draft + [self._choose(row, ids, logits[len(draft)])]
 
