@@ -154,3 +154,29 @@ def test_sample_tokens_draws_each_token_at_its_probability_and_never_a_zero_one(
     skewed = expected.clone()
     skewed[0], skewed[2] = skewed[0] * 0.32 / 0.30, skewed[2] - skewed[0] * 0.02 / 0.30
     assert chisquare(counts[weights > 0].double().numpy(), skewed.double().numpy()).pvalue < 1e-3
+
+
+@pytest.mark.parametrize("settings, in_columns", [
+    ({"temperature": 0.7, "top_k": 6, "top_p": 0.9}, True),
+    ({"temperature": 0.7, "repetition_penalty": 1.5}, False),
+], ids=["warpers-in-columns", "repetition-penalty-spread"])
+def test_a_reduced_drafter_warps_its_columns_unless_a_processor_reads_ids(small_target, monkeypatch, settings, in_columns):
+    """Temperature, top-k and top-p warp the draft vocabulary's own columns (no spread to the full
+    vocabulary per drafted position); a repetition penalty, which indexes the vocabulary by the ids,
+    gets every position spread first. Both keep the target's distribution."""
+    from angelspec_hf.modeling_angelspec_common import BatchedDraft
+
+    modes = []
+    original = BatchedDraft.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        modes.append((self.in_draft_columns, self.spread_each_step))
+
+    monkeypatch.setattr(BatchedDraft, "__init__", spy)
+    drafter = drafters(small_target)["dfly-reduced"]
+    plain = plain_samples(small_target, seed=1, **settings)
+    speculative, accepted = speculative_samples(small_target, drafter, seed=2, **settings)
+    assert set(modes) == {(in_columns, not in_columns)}
+    assert accepted > SAMPLES // 4
+    assert min_p_value(plain, speculative) > MIN_P_VALUE

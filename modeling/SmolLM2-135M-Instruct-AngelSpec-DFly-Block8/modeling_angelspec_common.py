@@ -18,6 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerationMixin
@@ -323,6 +329,16 @@ def sample_tokens(probabilities: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, uniform, right=True).clamp_(max=cdf.shape[-1] - 1)
 
 
+# Warpers that treat every column alike and read neither the ids nor the column order, so they warp
+# a draft vocabulary's columns as they would the full vocabulary (whose other tokens are -inf).
+COLUMN_WISE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def warps_columns_alike(processors) -> bool:
+    """Whether every logits processor of a generate call is one of `COLUMN_WISE_WARPERS`."""
+    return all(type(processor) in COLUMN_WISE_WARPERS for processor in processors)
+
+
 def expand_to_vocab(logits: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 logits over the full vocabulary from logits over ``token_ids``; other tokens get -inf.
 
@@ -488,10 +504,13 @@ class BatchedDraft:
     processed logits chosen for it until its budget is spent or its draft policy stops it.
 
     ``token_ids`` names the target ids of the logits' columns when a drafter scores a reduced draft
-    vocabulary only. Without logits processors (which read the full vocabulary) the tokens are
-    picked in that smaller space, and the logits are spread over the target vocabulary once per
-    round in `results`, not once per drafted position. Rows whose generators do not want the draft
-    distribution (greedy decoding) keep no logits at all.
+    vocabulary only. The tokens are picked in that smaller space, and the logits are spread over the
+    target vocabulary once per round in `results`, not once per drafted position, unless a logits
+    processor reads ids or the full vocabulary (a repetition penalty does): then each position is
+    spread before it is processed. Temperature, top-k, top-p and min-p (sampling's usual warpers)
+    warp the draft columns as they would the full vocabulary; either way the logits returned are
+    exactly the distribution each token was drawn from, which is all speculative sampling needs.
+    Rows whose generators do not want the draft distribution (greedy decoding) keep no logits at all.
     """
 
     def __init__(self, generators: list["AngelSpecCandidateGenerator"], input_ids: list[torch.LongTensor],
@@ -502,8 +521,9 @@ class BatchedDraft:
         self.tokens: list[list[torch.Tensor]] = [[] for _ in generators]
         self.logits: list[list[torch.Tensor]] = [[] for _ in generators]
         self.token_ids, self.vocab_size = token_ids, generators[0].drafter.config.vocab_size
-        # Logits processors read the full vocabulary: with them each position is spread at once.
-        self.spread_each_step = token_ids is not None and generators[0].logits_processor is not None
+        # A processor that reads ids or the full vocabulary gets each position spread before it runs.
+        processors = generators[0].logits_processor
+        self.spread_each_step = token_ids is not None and processors is not None and not warps_columns_alike(processors)
         self.in_draft_columns = token_ids is not None and not self.spread_each_step
         self.keep_logits = generators[0].wants_draft_logits
 
