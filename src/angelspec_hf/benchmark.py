@@ -5,10 +5,11 @@ them alike), greedy, and each method's output is compared with plain autoregress
 Per method and domain: median tokens/s, median speedup over AR on the same prompts, tau (tokens
 per target forward, for drafters), and whether every output was identical.
 
-With a temperature above 0 every method samples instead (each from the same seed on a prompt).
-Sampled outputs cannot be compared token for token: speculative sampling preserves the target's
-distribution, not its random draws, so those rows report losslessness as not checked here (the
-distribution is what `tests/test_sampling.py` checks) and speed only.
+With a temperature above 0 every method samples instead (each from the same seed on a prompt,
+with transformers' default top-k), and so does every engine request. Sampled outputs cannot be
+compared token for token: speculative sampling preserves the target's distribution, not its random
+draws, so those rows report losslessness as not checked here (None; the distribution is what
+`tests/test_sampling.py` checks) and speed only.
 """
 
 from __future__ import annotations
@@ -93,11 +94,25 @@ def transformers_dflash_assistant(drafter, dtype: torch.dtype | None = None):
         return AutoModel.from_pretrained(directory, dtype=dtype or drafter.dtype).eval()
 
 
+# transformers' default top-k when sampling, made explicit so that the engine (whose requests
+# have no default) samples from the same distribution as batch-1 ``generate``.
+SAMPLING_TOP_K = 50
+
+
 def decoding_kwargs(temperature: float) -> dict:
-    """``generate`` settings of a benchmark run: greedy at temperature 0, else plain sampling at it."""
+    """Decoding settings of a benchmark run, for ``generate`` and the engine's ``submit`` alike:
+    greedy at temperature 0, else sampling at it with `SAMPLING_TOP_K`."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-    return {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": SAMPLING_TOP_K}
+
+
+def all_lossless(checks) -> bool | None:
+    """Every check passed (True), one failed (False), or some were not checked (None: sampled)."""
+    checks = list(checks)
+    return None if any(check is None for check in checks) else all(checks)
 
 
 def benchmark_prompts(domains: list[str], per_set: int) -> list[tuple[str, int, str]]:
@@ -182,8 +197,10 @@ def engine_configurations(drafters: dict[str, object], cost_model=None) -> list[
 
 def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
                     max_new_tokens: int, levels: list[int], references: dict, cost_model=None,
-                    repeats: int = 1) -> list[dict]:
-    """All prompts through the batched engine at each concurrency: throughput and losslessness.
+                    repeats: int = 1, temperature: float = 0.0, seed: int = 0) -> list[dict]:
+    """All prompts through the batched engine at each concurrency: throughput and losslessness
+    (greedy; with ``temperature`` > 0 every request samples, each pair of passes from ``seed``, and
+    outputs are not compared).
 
     Every speculative configuration is measured against its own pass of the engine's plain
     batched decoding (AR), the two served step by step in turn (`paired_engine_runs`), so both see
@@ -198,7 +215,8 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
     prompts = benchmark_prompts(domains, per_set)
     ids = [chat_inputs(tokenizer, prompt)["input_ids"][0].tolist() for _, _, prompt in prompts]
-    expected = [references.get((domain, index)) for domain, index, _ in prompts]
+    decoding = decoding_kwargs(temperature)
+    expected = None if decoding["do_sample"] else [references.get((domain, index)) for domain, index, _ in prompts]
     eos = tokenizer.eos_token_id
     rows = []
     for level in levels:
@@ -208,7 +226,7 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
         for _ in range(repeats):
             for name, drafter, cut in configurations[1:]:
                 ar, run = paired_engine_runs(target, drafter, cost_model if cut else None, level, ids,
-                                             max_new_tokens, eos, expected)
+                                             max_new_tokens, eos, expected, decoding, seed)
                 run["speedup"] = run["tokens_per_s"] / ar["tokens_per_s"]
                 run["drafters_chosen"] = run["drafters_chosen"] if isinstance(drafter, dict) else None
                 ar_runs.append(ar)
@@ -216,10 +234,10 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
                 logger.info("concurrency %d, %s: %.1f tokens/s against AR's %.1f beside it (%.2fx)", level, name,
                             run["tokens_per_s"], ar["tokens_per_s"], run["speedup"])
         if not ar_runs:  # no drafter: plain batched decoding alone
-            ar_runs = [paired_engine_runs(target, None, None, level, ids, max_new_tokens, eos, expected)[0]]
+            ar_runs = [paired_engine_runs(target, None, None, level, ids, max_new_tokens, eos, expected, decoding, seed)[0]]
         ar_rates = [r["tokens_per_s"] for r in ar_runs]
         ar_row = {**ar_runs[0], "method": configurations[0][0], "tokens_per_s": statistics.median(ar_rates),
-                  "speedup": 1.0, "lossless": all(r["lossless"] for r in ar_runs), "drafters_chosen": None,
+                  "speedup": 1.0, "lossless": all_lossless(r["lossless"] for r in ar_runs), "drafters_chosen": None,
                   "ar_runs": len(ar_runs), "ar_spread": [min(ar_rates), max(ar_rates)]}
         rows += [{"concurrency": level, **ar_row}]
         rows += [{"concurrency": level, "method": name, **_median_run(mine)} for name, mine in runs.items()]
@@ -234,15 +252,17 @@ def _median_run(runs: list[dict]) -> dict:
     chosen = [r["drafters_chosen"] for r in runs if r["drafters_chosen"] is not None]
     return {**runs[0], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "speedup": statistics.median(r["speedup"] for r in runs), "speedups": [r["speedup"] for r in runs],
-            "tau": statistics.mean(taus) if taus else None, "lossless": all(r["lossless"] for r in runs),
+            "tau": statistics.mean(taus) if taus else None, "lossless": all_lossless(r["lossless"] for r in runs),
             "drafting_steps": statistics.median(steps) if steps else None,
             "drafters_chosen": sorted(set().union(*chosen)) if chosen else None}
 
 
 def paired_engine_runs(target, drafter, cost_model, level: int, ids: list[list[int]], max_new_tokens: int, eos,
-                       expected: list) -> tuple[dict, dict | None]:
+                       expected: list | None, decoding: dict | None = None, seed: int = 0) -> tuple[dict, dict | None]:
     """The whole workload through plain batched decoding and through ``drafter``'s engine at once,
-    step by step in turn: (AR's result, the drafter's), each with throughput, tau, losslessness.
+    step by step in turn: (AR's result, the drafter's), each with throughput, tau, losslessness
+    against ``expected`` (None: not checked). ``decoding``: every request's settings (greedy by
+    default; see `decoding_kwargs`); sampled pairs start from ``seed``.
 
     The engine that has spent less time so far takes the next step, so both get equal shares of
     the machine for as long as both run; each one's throughput counts only its own steps. The
@@ -255,9 +275,12 @@ def paired_engine_runs(target, drafter, cost_model, level: int, ids: list[list[i
     engines = [SpeculativeEngine(target, None, max_batch_size=level)]
     if drafter is not None:
         engines.append(SpeculativeEngine(target, drafter, max_batch_size=level, policy=policy))
+    decoding = decoding or {"do_sample": False}
     for engine in engines:
         for prompt in ids:
-            engine.submit(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos)
+            engine.submit(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos, **decoding)
+    if decoding["do_sample"]:
+        torch.manual_seed(seed)
     seconds = [0.0] * len(engines)
     outputs = [[list(prompt) for prompt in ids] for _ in engines]
     while any(engine.has_work for engine in engines):
@@ -272,7 +295,7 @@ def paired_engine_runs(target, drafter, cost_model, level: int, ids: list[list[i
     return results[0], (results[1] if drafter is not None else None)
 
 
-def _engine_result(engine, outputs: list[list[int]], ids: list[list[int]], seconds: float, expected: list,
+def _engine_result(engine, outputs: list[list[int]], ids: list[list[int]], seconds: float, expected: list | None,
                    policy) -> dict:
     """Throughput, tau and losslessness of one engine's pass over the workload."""
     new_tokens = sum(len(out) - len(prompt) for out, prompt in zip(outputs, ids))
@@ -280,7 +303,7 @@ def _engine_result(engine, outputs: list[list[int]], ids: list[list[int]], secon
     return {
         "prompts": len(ids), "tokens_per_s": new_tokens / seconds,
         "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
-        "lossless": all(out == reference for out, reference in zip(outputs, expected)),
+        "lossless": None if expected is None else all(out == reference for out, reference in zip(outputs, expected)),
         "drafting_steps": len(policy.windows) if policy is not None else None,
         "drafters_chosen": sorted({entry["drafter"] for entry in engine.stats}),
     }
@@ -308,7 +331,7 @@ def summarise(runs: list[Run]) -> list[dict]:
                 "tokens_per_s": statistics.median(r.tokens_per_s for r in mine),
                 "speedup": statistics.median(r.tokens_per_s / ar[(r.domain, r.prompt_index)].tokens_per_s for r in mine),
                 "tau": statistics.mean(taus) if taus else None,
-                "lossless": None if any(r.identical is None for r in mine) else all(r.identical for r in mine),
+                "lossless": all_lossless(r.identical for r in mine),
             })
     return rows
 

@@ -144,11 +144,6 @@ def run_bench(args: argparse.Namespace) -> int:
     levels = [] if args.quick else args.concurrency
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
-    if args.temperature > 0 and levels:
-        # The engine's rows are checked token for token against greedy batch-1 outputs.
-        logger.warning("--temperature %s: sampling is benchmarked at batch 1 only; the engine rows are skipped.",
-                       args.temperature)
-        levels = []
     name = target_display_name(args.target)
     engine_threads = args.engine_threads or torch.get_num_threads()
     threads = args.threads or torch.get_num_threads()
@@ -197,7 +192,8 @@ def run_bench(args: argparse.Namespace) -> int:
             engine_target, Path(args.modeling_dir), args.drafter, engine_draft_dtype)
         engine_cost = None if args.no_dcut else load_or_profile(engine_target, name)
         concurrency = run_concurrency(engine_target, tokenizer, engine_drafters, args.domains, per_set, max_new_tokens,
-                                      levels, references, engine_cost, repeats=args.engine_repeats)
+                                      levels, references, engine_cost, repeats=args.engine_repeats,
+                                      temperature=args.temperature, seed=args.seed)
     if concurrency:
         print()
         print(format_table(concurrency, group="concurrency"))
@@ -530,8 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--report", default="reports/bench.json")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="0 (default): greedy, every output checked against plain decoding; above 0 every "
-                            "method samples at this temperature from the same seed per prompt (speed only, batch 1 "
-                            "only: sampled outputs cannot be compared token for token)")
+                            "method samples at this temperature with top-k 50 (transformers' default) from the same "
+                            "seed per prompt, and the engine's pairs from --seed (speed only: sampled outputs cannot be "
+                            "compared token for token)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the first prompt when sampling")
     bench.add_argument("--threads", type=int, default=1,
                        help="torch threads at batch 1 (0: torch's default). One thread decodes and verifies the "
