@@ -106,20 +106,22 @@ def test_rollouts_keep_the_states_they_decode_for_training(targets, tmp_path):
 
 
 def test_magpie_prompts_come_from_the_empty_user_header(targets):
+    # The tiny random target ends a sampled turn within 40 tokens only now and then, so each call may
+    # draw up to 64 turns (the default 4 per prompt depends on the random stream's luck).
     from angelspec_hf.training.data import synthesize_chat_prompts, user_turn_prefix_ids
 
     tokenizer = tiny_tokenizer()
     assert user_turn_prefix_ids(tokenizer) == [3]  # the tiny template's user header is "w3 "
     prompts = synthesize_chat_prompts(targets.target("llama"), tokenizer, count=5, batch_size=8, max_new_tokens=40,
-                                      min_chars=3)
+                                      min_chars=3, max_samples=64)
     assert len(prompts) == 5 and len(set(prompts)) == 5
     assert all(prompt.strip() == prompt and "</s>" not in prompt for prompt in prompts)
     # A later run keeps the list, adds new turns (a new seed) and never returns an excluded one.
     grown = synthesize_chat_prompts(targets.target("llama"), tokenizer, count=8, batch_size=8, max_new_tokens=40,
-                                    min_chars=3, existing=prompts, exclude={prompts[0] + "x"})
+                                    min_chars=3, existing=prompts, exclude={prompts[0] + "x"}, max_samples=64)
     assert grown[:5] == prompts and len(set(grown)) == 8 and prompts[0] + "x" not in grown
     excluded = synthesize_chat_prompts(targets.target("llama"), tokenizer, count=5, batch_size=8, max_new_tokens=40,
-                                       min_chars=3, exclude=set(prompts))
+                                       min_chars=3, exclude=set(prompts), max_samples=64)
     assert not set(excluded) & set(prompts)
 
 
