@@ -199,8 +199,8 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
                     max_new_tokens: int, levels: list[int], references: dict, cost_model=None,
                     repeats: int = 1, temperature: float = 0.0, seed: int = 0) -> list[dict]:
     """All prompts through the batched engine at each concurrency: throughput and losslessness
-    (greedy; with ``temperature`` > 0 every request samples, each pair of passes from ``seed``,
-    decodes ``max_new_tokens`` whatever its EOS, and outputs are not compared).
+    (greedy; with ``temperature`` > 0 every request samples, each pair of passes from ``seed``, and
+    outputs are not compared).
 
     Every speculative configuration is measured against its own pass of the engine's plain
     batched decoding (AR), the two served step by step in turn (`paired_engine_runs`), so both see
@@ -216,13 +216,8 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
     prompts = benchmark_prompts(domains, per_set)
     ids = [chat_inputs(tokenizer, prompt)["input_ids"][0].tolist() for _, _, prompt in prompts]
     decoding = decoding_kwargs(temperature)
-    sampled = decoding["do_sample"]
-    expected = None if sampled else [references.get((domain, index)) for domain, index, _ in prompts]
-    # Sampled requests ignore EOS, so that every configuration decodes as many tokens a request: each
-    # samples other texts, and rows ending at other times would change how full the batch runs (one
-    # standalone pass each at concurrency 16 ran level, 17.3 s against 17.4 s, where a paired pass
-    # with EOS had said 0.83x).
-    eos = None if sampled else tokenizer.eos_token_id
+    expected = None if decoding["do_sample"] else [references.get((domain, index)) for domain, index, _ in prompts]
+    eos = tokenizer.eos_token_id
     rows = []
     for level in levels:
         configurations = engine_configurations(drafters, cost_model)
