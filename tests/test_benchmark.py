@@ -314,3 +314,21 @@ def test_sampled_concurrency_rows_sample_every_request_and_report_speed_only(tar
     assert settings and set(settings) == {(True, 0.9, SAMPLING_TOP_K)}
     assert [r["method"] for r in rows] == [AR, "dfly"] and all(r["lossless"] is None for r in rows)
     assert format_table(rows, group="concurrency").splitlines()[-1].endswith("sampled")
+
+
+def test_sampled_repeats_draw_new_texts(targets, monkeypatch):
+    """Each sampled repeat of a pair starts from its own seed, so the median averages over texts."""
+    import angelspec_hf.benchmark as benchmark
+
+    seeds = []
+    paired = benchmark.paired_engine_runs
+
+    def spy(*args):
+        seeds.append(args[-1])
+        return paired(*args)
+
+    monkeypatch.setattr(benchmark, "paired_engine_runs", spy)
+    benchmark.run_concurrency(targets.target("llama"), tiny_tokenizer(), {"dfly": targets.fitted("llama", "dfly-hybrid-corr")},
+                              ["math"], per_set=1, max_new_tokens=6, levels=[2], references={}, temperature=0.9, seed=5,
+                              repeats=2)
+    assert seeds == [5, 6]

@@ -199,8 +199,8 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
                     max_new_tokens: int, levels: list[int], references: dict, cost_model=None,
                     repeats: int = 1, temperature: float = 0.0, seed: int = 0) -> list[dict]:
     """All prompts through the batched engine at each concurrency: throughput and losslessness
-    (greedy; with ``temperature`` > 0 every request samples, each pair of passes from ``seed``, and
-    outputs are not compared).
+    (greedy; with ``temperature`` > 0 every request samples, each pair of passes from ``seed`` plus
+    its repeat's number, and outputs are not compared).
 
     Every speculative configuration is measured against its own pass of the engine's plain
     batched decoding (AR), the two served step by step in turn (`paired_engine_runs`), so both see
@@ -223,10 +223,11 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
         configurations = engine_configurations(drafters, cost_model)
         ar_runs = []
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in configurations[1:]}
-        for _ in range(repeats):
+        for repeat in range(repeats):
             for name, drafter, cut in configurations[1:]:
+                # Sampled repeats draw new texts (seed + repeat), so their median averages over texts too.
                 ar, run = paired_engine_runs(target, drafter, cost_model if cut else None, level, ids,
-                                             max_new_tokens, eos, expected, decoding, seed)
+                                             max_new_tokens, eos, expected, decoding, seed + repeat)
                 run["speedup"] = run["tokens_per_s"] / ar["tokens_per_s"]
                 run["drafters_chosen"] = run["drafters_chosen"] if isinstance(drafter, dict) else None
                 ar_runs.append(ar)
