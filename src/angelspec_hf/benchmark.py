@@ -276,7 +276,7 @@ def paired_engine_runs(target, drafter, cost_model, level: int, ids: list[list[i
     engines = [SpeculativeEngine(target, None, max_batch_size=level)]
     if drafter is not None:
         engines.append(SpeculativeEngine(target, drafter, max_batch_size=level, policy=policy))
-    decoding = decoding or {"do_sample": False}
+    decoding = decoding or decoding_kwargs(0.0)
     for engine in engines:
         for prompt in ids:
             engine.submit(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos, **decoding)

@@ -128,6 +128,7 @@ def bench_drafters(target: PreTrainedModel, modeling_dir: Path, extra: list[str]
 def run_bench(args: argparse.Namespace) -> int:
     from .benchmark import (
         Method,
+        decoding_kwargs,
         format_table,
         run_benchmark,
         run_concurrency,
@@ -142,8 +143,10 @@ def run_bench(args: argparse.Namespace) -> int:
     # issue asks for about 2.
     per_set, max_new_tokens = QUICK if args.quick else (args.per_set, args.max_new_tokens)
     levels = [] if args.quick else args.concurrency
-    if args.temperature < 0:
-        raise SystemExit(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    try:
+        decoding_kwargs(args.temperature)  # refuse a bad temperature before loading anything
+    except ValueError as error:
+        raise SystemExit(f"--temperature: {error}") from None
     name = target_display_name(args.target)
     engine_threads = args.engine_threads or torch.get_num_threads()
     threads = args.threads or torch.get_num_threads()
