@@ -215,7 +215,8 @@ def fastest_row_kernel(weight: torch.Tensor) -> str:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             if packing_agrees(weight, packed):
                 candidates["packed"] = packed
-        x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
+        # A private generator: timing must not move the caller's seeded random stream.
+        x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         with torch.no_grad():
             for kernel, candidate in candidates.items():
                 _time_row_kernel(kernel, candidate, x, calls=2)  # warm-up
