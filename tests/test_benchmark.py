@@ -85,13 +85,13 @@ def test_baselines_on_another_target_are_compared_with_that_targets_own_output(t
     from angelspec_hf.benchmark import benchmark_prompts
     from angelspec_hf.evaluation import chat_inputs
 
-    inputs = chat_inputs(tokenizer, benchmark_prompts(["math"], 1)[0][2])
-    expected = reference_target.generate(**inputs, max_new_tokens=10, do_sample=False)[0].tolist()
-    assert references[("math", prompt.prompt_index)] == expected
+    text = benchmark_prompts(["math"], 1)[prompt.prompt_index][2]
+    expected = reference_target.generate(**chat_inputs(tokenizer, text), max_new_tokens=10, do_sample=False)[0].tolist()
+    assert references[text] == expected
 
 
 def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets, tmp_path):
-    from angelspec_hf.benchmark import run_concurrency
+    from angelspec_hf.benchmark import benchmark_prompts, run_concurrency
 
     target, tokenizer = targets.target("llama"), tiny_tokenizer()
     drafters = {"dfly": targets.fitted("llama", "dfly-hybrid-corr"), "mtp": targets.fitted("llama", "mtp")}
@@ -107,6 +107,10 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets, tmp
     assert rows[2]["drafting_steps"] > 0 and set(rows[5]["drafters_chosen"]) <= {"dfly", "mtp", "none"}
     assert "concur" in format_table(rows, group="concurrency")
     assert all(r["lossless"] for r in rows)
+    # Concurrency 2 serves two requests a slot: the three batch-1 prompts and one more of each set,
+    # whose references plain generate adds.
+    assert [r["prompts"] for r in rows] == [3] * len(methods) + [6] * len(methods)
+    assert len(references) == 6
     # Each configuration ran beside an AR pass of its own; the AR row reports the median and spread of them all.
     ar_row = rows[0]
     assert ar_row["ar_runs"] == len(methods) - 1 and ar_row["ar_spread"][0] <= ar_row["tokens_per_s"] <= ar_row["ar_spread"][1]
@@ -119,10 +123,21 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets, tmp
     assert twice[0]["ar_runs"] == 2 and len(twice[1]["speedups"]) == 2
     assert twice[1]["speedup"] == statistics.median(twice[1]["speedups"])
     # A wrong reference is reported as lossy.
-    references[("math", 0)] = [0]
+    references[benchmark_prompts(["math"], 1)[0][2]] = [0]
     broken = run_concurrency(target, tokenizer, {}, ["math"], per_set=2, max_new_tokens=10, levels=[2],
                              references=references)
     assert broken[0]["lossless"] is False
+
+
+def test_engine_prompts_keep_two_requests_a_slot_and_start_with_the_batch_one_prompts():
+    from angelspec_hf.benchmark import benchmark_prompts, engine_prompts
+
+    batch_one = benchmark_prompts(["chat", "code", "math"], 3)
+    assert engine_prompts(["chat", "code", "math"], 3, 4) == batch_one
+    at_16 = engine_prompts(["chat", "code", "math"], 3, 16)
+    assert len(at_16) == 32 and len({prompt for _, _, prompt in at_16}) == 32
+    assert {prompt for _, _, prompt in batch_one} <= {prompt for _, _, prompt in at_16}
+    assert len(engine_prompts(["math"], 1, 3)) == 6
 
 
 def test_paired_engine_runs_take_turns_by_time_spent(targets, monkeypatch):

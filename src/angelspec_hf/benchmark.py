@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import platform
 import statistics
 import time
@@ -26,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .evaluation import chat_inputs
-from .prompts import domain_prompts
+from .prompts import DOMAINS, domain_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +120,36 @@ def benchmark_prompts(domains: list[str], per_set: int) -> list[tuple[str, int, 
     return [(domain, index, prompt) for domain in domains for index, prompt in enumerate(domain_prompts(domain, "eval", per_set))]
 
 
+# Requests per engine slot: a concurrency level is only measured while that many requests are in
+# flight, and with as many requests as slots the batch is full for its first step only and then
+# drains (session 45: 12 requests at "concurrency 16" never ran more than 12 rows).
+REQUESTS_PER_SLOT = 2
+
+
+def engine_prompts(domains: list[str], per_set: int, level: int) -> list[tuple[str, int, str]]:
+    """The engine workload at concurrency ``level``: the batch-1 prompts (``per_set`` of each set),
+    and more of every set until there are at least `REQUESTS_PER_SLOT` requests per slot, so that
+    continuous batching keeps ``level`` rows busy for most of the pass."""
+    sets = sum(len(DOMAINS[domain]) for domain in domains)
+    return benchmark_prompts(domains, max(per_set, math.ceil(REQUESTS_PER_SLOT * level / sets)))
+
+
+def plain_references(target, tokenizer, prompts: list[str], max_new_tokens: int, references: dict) -> None:
+    """Add to ``references`` (prompt -> output ids) the plain greedy ``generate`` output of every
+    prompt it lacks, one prompt at a time as at batch 1."""
+    missing = [prompt for prompt in dict.fromkeys(prompts) if prompt not in references]
+    with torch.no_grad():
+        for prompt in tqdm(missing, desc="engine references", unit="prompt", disable=not missing):
+            out = target.generate(**chat_inputs(tokenizer, prompt), max_new_tokens=max_new_tokens, do_sample=False)
+            references[prompt] = out[0].tolist()
+
+
 def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
                   max_new_tokens: int, cost_model=None, references: dict | None = None,
                   baselines: list[Method] = (), reference_target=None, temperature: float = 0.0,
                   seed: int = 0) -> list[Run]:
     """Batch-1 runs; ``references`` (if given) receives each prompt's plain greedy output ids from
-    ``reference_target`` (default ``target``). ``temperature`` > 0 samples: every method starts
+    ``reference_target`` (default ``target``), keyed by the prompt's text. ``temperature`` > 0 samples: every method starts
     each prompt from the same seed (``seed`` plus the prompt's number), outputs are not compared.
 
     ``baselines`` are more plain-decoding rows, on other targets or thread counts, interleaved
@@ -166,7 +191,7 @@ def run_benchmark(target, tokenizer, drafters: dict[str, object], domains: list[
                         del method.drafter.draft_policy
                 reference = first_output.setdefault(id(model), out)
                 if reference is out and model is reference_target and references is not None and not sampled:
-                    references[(domain, index)] = out[0].tolist()
+                    references[prompt] = out[0].tolist()
                 stats = getattr(method.drafter, "last_speculation_stats", None)
                 new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
                 tau = stats.tau if stats is not None else None
@@ -198,9 +223,12 @@ def engine_configurations(drafters: dict[str, object], cost_model=None) -> list[
 def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: list[str], per_set: int,
                     max_new_tokens: int, levels: list[int], references: dict, cost_model=None,
                     repeats: int = 1, temperature: float = 0.0, seed: int = 0) -> list[dict]:
-    """All prompts through the batched engine at each concurrency: throughput and losslessness
+    """The prompts through the batched engine at each concurrency: throughput and losslessness
     (greedy; with ``temperature`` > 0 every request samples, each pair of passes from ``seed`` plus
-    its repeat's number, and outputs are not compared).
+    its repeat's number, and outputs are not compared). Each level serves `engine_prompts`: the
+    batch-1 prompts plus more of each set where the level needs them to keep its slots full; greedy
+    outputs are compared with ``references`` (prompt -> output ids), and the prompts it lacks get
+    theirs from plain ``generate`` first (`plain_references`).
 
     Every speculative configuration is measured against its own pass of the engine's plain
     batched decoding (AR), the two served step by step in turn (`paired_engine_runs`), so both see
@@ -213,13 +241,16 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
-    prompts = benchmark_prompts(domains, per_set)
-    ids = [chat_inputs(tokenizer, prompt)["input_ids"][0].tolist() for _, _, prompt in prompts]
     decoding = decoding_kwargs(temperature)
-    expected = None if decoding["do_sample"] else [references.get((domain, index)) for domain, index, _ in prompts]
     eos = tokenizer.eos_token_id
     rows = []
     for level in levels:
+        prompts = [prompt for _, _, prompt in engine_prompts(domains, per_set, level)]
+        ids = [chat_inputs(tokenizer, prompt)["input_ids"][0].tolist() for prompt in prompts]
+        expected = None
+        if not decoding["do_sample"]:
+            plain_references(target, tokenizer, prompts, max_new_tokens, references)
+            expected = [references[prompt] for prompt in prompts]
         configurations = engine_configurations(drafters, cost_model)
         ar_runs = []
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in configurations[1:]}
