@@ -347,3 +347,46 @@ def test_sampled_repeats_draw_new_texts(targets, monkeypatch):
                               ["math"], per_set=1, max_new_tokens=6, levels=[2], references={}, temperature=0.9, seed=5,
                               repeats=2)
     assert seeds == [5, 6]
+
+
+def test_bench_measures_a_prompt_file_as_its_own_domain(targets, tmp_path, monkeypatch):
+    """`bench --prompts FILE`: every prompt of the file (no held-out split), reported under the
+    file's name, batch 1 and engine alike; a bad file or two files of one name stop the bench before
+    anything loads, naming the option and the fix."""
+    import json as json_module
+
+    from angelspec_hf import cli
+    from angelspec_hf.benchmark import benchmark_prompts, engine_prompts, run_concurrency
+
+    mine = tmp_path / "support.jsonl"
+    texts = [f"How do I reset password number {i}?" for i in range(5)]
+    mine.write_text("".join(json_module.dumps({"prompt": text}) + "\n" for text in texts))
+    assert benchmark_prompts([str(mine)], None) == [("support", i, text) for i, text in enumerate(texts)]
+    assert [p for *_, p in benchmark_prompts([str(mine)], 2)] == texts[:2]
+    assert len(engine_prompts([str(mine)], None, 16)) == 5  # a file gives what it has
+    assert len(engine_prompts([str(mine)], 2, 2)) == 4
+
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    references: dict = {}
+    rows = summarise(run_benchmark(target, tokenizer, {}, [str(mine)], per_set=2, max_new_tokens=6,
+                                   references=references))
+    assert {row["domain"] for row in rows} == {"support"} and rows[0]["prompts"] == 2
+    engine_rows = run_concurrency(target, tokenizer, {}, [str(mine)], per_set=2, max_new_tokens=6, levels=[2],
+                                  references=references)
+    assert engine_rows[0]["prompts"] == 4 and engine_rows[0]["lossless"]
+
+    args = cli.build_parser().parse_args(["bench", "--prompts", str(mine)])
+    assert args.per_set is None and args.prompts == [str(mine)]
+    monkeypatch.setattr(cli, "load_target", lambda *a, **k: pytest.fail("loaded a target before checking the prompts"))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(SystemExit, match=r"--prompts: .*broken.jsonl, line 2: expected a JSON object with a \"prompt\""):
+        cli.run_bench(cli.build_parser().parse_args(["bench", "--prompts", str(broken), "--dtype", "float32"]))
+    with pytest.raises(SystemExit, match="--prompts: .*JSONL prompt file"):
+        cli.run_bench(cli.build_parser().parse_args(["bench", "--prompts", str(tmp_path / "missing.jsonl"), "--dtype", "float32"]))
+    other = tmp_path / "more"
+    other.mkdir()
+    (other / "support.jsonl").write_text(mine.read_text())
+    with pytest.raises(SystemExit, match="share one"):
+        cli.run_bench(cli.build_parser().parse_args(["bench", "--prompts", str(mine), str(other / "support.jsonl"),
+                                                     "--dtype", "float32"]))

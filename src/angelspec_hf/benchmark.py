@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .evaluation import chat_inputs
-from .prompts import DOMAINS, domain_prompts
+from .prompts import domain_label, domain_prompts, domain_sets
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,11 @@ def all_lossless(checks) -> bool | None:
     return None if any(check is None for check in checks) else all(checks)
 
 
-def benchmark_prompts(domains: list[str], per_set: int) -> list[tuple[str, int, str]]:
-    return [(domain, index, prompt) for domain in domains for index, prompt in enumerate(domain_prompts(domain, "eval", per_set))]
+def benchmark_prompts(domains: list[str], per_set: int | None) -> list[tuple[str, int, str]]:
+    """(domain label, index, prompt) of ``per_set`` held-out prompts of each set of each domain, or
+    of each JSONL prompt file given as a domain (None: all of them)."""
+    return [(domain_label(domain), index, prompt)
+            for domain in domains for index, prompt in enumerate(domain_prompts(domain, "eval", per_set))]
 
 
 # Requests per engine slot: a concurrency level is only measured while that many requests are in
@@ -126,11 +129,13 @@ def benchmark_prompts(domains: list[str], per_set: int) -> list[tuple[str, int, 
 REQUESTS_PER_SLOT = 2
 
 
-def engine_prompts(domains: list[str], per_set: int, level: int) -> list[tuple[str, int, str]]:
+def engine_prompts(domains: list[str], per_set: int | None, level: int) -> list[tuple[str, int, str]]:
     """The engine workload at concurrency ``level``: the batch-1 prompts (``per_set`` of each set),
-    and more of every set until there are at least `REQUESTS_PER_SLOT` requests per slot, so that
-    continuous batching keeps ``level`` rows busy for most of the pass."""
-    sets = sum(len(DOMAINS[domain]) for domain in domains)
+    and more of every set until there are at least `REQUESTS_PER_SLOT` requests per slot (or the
+    sets run out), so that continuous batching keeps ``level`` rows busy for most of the pass."""
+    if per_set is None:
+        return benchmark_prompts(domains, None)
+    sets = sum(domain_sets(domain) for domain in domains)
     return benchmark_prompts(domains, max(per_set, math.ceil(REQUESTS_PER_SLOT * level / sets)))
 
 
@@ -382,9 +387,11 @@ def format_table(rows: list[dict], group: str = "domain") -> str:
     return "\n".join(lines)
 
 
-def write_chart(rows: list[dict], path: Path, concurrency: list[dict] | None = None) -> bool:
+def write_chart(rows: list[dict], path: Path, concurrency: list[dict] | None = None,
+                subtitle: str = "greedy, reference target") -> bool:
     """Speedup by method and domain (batch 1) and, given engine rows, speedup by method and
-    concurrency, as grouped bar charts; False when matplotlib is missing."""
+    concurrency, as grouped bar charts, each titled with ``subtitle`` (the decoding and the target);
+    False when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -399,7 +406,7 @@ def write_chart(rows: list[dict], path: Path, concurrency: list[dict] | None = N
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 6), squeeze=False)
     for ax, (panel_rows, group, title) in zip(axes[0], panels):
         _grouped_bars(ax, panel_rows, group)
-        ax.set_title(f"{title}, greedy, reference target")
+        ax.set_title(f"{title}, {subtitle}")
     axes[0][0].set_ylabel("speedup (1.0 = the fastest plain decoding)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

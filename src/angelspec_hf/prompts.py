@@ -12,7 +12,16 @@ EVAL_EVERY = 4
 
 
 def _read_jsonl(path: Path) -> list[str]:
-    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{path}, line {number}: expected a JSON object with a \"prompt\" string, "
+                             'one a line (for example {"prompt": "Write a haiku about tea."}).')
+        prompts.append(row["prompt"])
+    return prompts
 
 
 def load_prompts(name: str, split: str = "eval", limit: int | None = None) -> list[str]:
@@ -33,7 +42,23 @@ def load_prompts(name: str, split: str = "eval", limit: int | None = None) -> li
 
 
 def domain_prompts(domain: str, split: str = "eval", per_set: int | None = None) -> list[str]:
-    """Prompts of every bundled set of a domain (``chat``, ``code``, ``math``)."""
-    if domain not in DOMAINS:
-        raise ValueError(f"domain must be one of {sorted(DOMAINS)}, got {domain!r}.")
-    return [prompt for name in DOMAINS[domain] for prompt in load_prompts(name, split, per_set)]
+    """Prompts of every bundled set of a domain (``chat``, ``code``, ``math``; ``per_set`` of each),
+    or of a JSONL prompt file (its first ``per_set`` rows; ``split`` does not apply: a file of
+    one's own prompts has no held-out split)."""
+    if domain in DOMAINS:
+        return [prompt for name in DOMAINS[domain] for prompt in load_prompts(name, split, per_set)]
+    path = Path(domain)
+    if path.suffix != ".jsonl" or not path.is_file():
+        raise ValueError(f"domain must be one of {sorted(DOMAINS)} or a JSONL prompt file "
+                         f'(one {{"prompt": ...}} a line), got {domain!r}.')
+    return load_prompts(str(path), "all", per_set)
+
+
+def domain_label(domain: str) -> str:
+    """How reports name a domain: itself, or a prompt file's name without its suffix."""
+    return domain if domain in DOMAINS else Path(domain).stem
+
+
+def domain_sets(domain: str) -> int:
+    """How many prompt sets a domain draws ``per_set`` prompts from (a prompt file is one)."""
+    return len(DOMAINS[domain]) if domain in DOMAINS else 1
