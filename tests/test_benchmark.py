@@ -390,3 +390,20 @@ def test_bench_measures_a_prompt_file_as_its_own_domain(targets, tmp_path, monke
     with pytest.raises(SystemExit, match="share one"):
         cli.run_bench(cli.build_parser().parse_args(["bench", "--prompts", str(mine), str(other / "support.jsonl"),
                                                      "--dtype", "float32"]))
+
+
+def test_chart_gives_a_method_one_colour_in_both_panels(tmp_path, monkeypatch):
+    """A drafter reads alike at batch 1 and in the engine panel, though the panels list other methods."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    batch_one = [{"method": m, "domain": "code", "speedup": s} for m, s in ((AR, 1.0), (PROMPT_LOOKUP, 1.2), ("dfly", 2.0))]
+    engine = [{"method": m, "concurrency": 4, "speedup": s} for m, s in ((AR, 1.0), ("dfly", 1.3), (ROUTER, 1.2))]
+    assert write_chart(batch_one, tmp_path / "chart.png", engine, subtitle="greedy, tiny")
+    left, right = figures[0].axes
+    colours = [{label: tuple(bars.patches[0].get_facecolor()) for bars, label in zip(*ax.get_legend_handles_labels())}
+               for ax in (left, right)]
+    assert colours[0][AR] == colours[1][AR] and colours[0]["dfly"] == colours[1]["dfly"]
+    assert colours[1][ROUTER] not in colours[0].values()
+    assert left.get_title().endswith("greedy, tiny")

@@ -404,8 +404,10 @@ def write_chart(rows: list[dict], path: Path, concurrency: list[dict] | None = N
     if concurrency:
         panels.append((concurrency, "concurrency", "engine, mixed workload"))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 6), squeeze=False)
+    # One colour per method across both panels, so that a drafter reads alike at batch 1 and in the engine.
+    colours = {method: i for i, method in enumerate(dict.fromkeys(r["method"] for p, _, _ in panels for r in p))}
     for ax, (panel_rows, group, title) in zip(axes[0], panels):
-        _grouped_bars(ax, panel_rows, group)
+        _grouped_bars(ax, panel_rows, group, colours)
         ax.set_title(f"{title}, {subtitle}")
     axes[0][0].set_ylabel("speedup (1.0 = the fastest plain decoding)")
     fig.tight_layout()
@@ -415,7 +417,7 @@ def write_chart(rows: list[dict], path: Path, concurrency: list[dict] | None = N
     return True
 
 
-def _grouped_bars(ax, rows: list[dict], group: str) -> None:
+def _grouped_bars(ax, rows: list[dict], group: str, colours: dict[str, int]) -> None:
     from matplotlib import colormaps
 
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -426,7 +428,7 @@ def _grouped_bars(ax, rows: list[dict], group: str) -> None:
     for i, method in enumerate(methods):
         values = [next((r["speedup"] for r in rows if r["method"] == method and r[group] == g), 0.0) for g in groups]
         ax.bar([j + i * width for j in range(len(groups))], values, width, label=_short_name(method),
-               color=palette(i % palette.N))
+               color=palette(colours[method] % palette.N))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(groups))],
                   [f"{group} {g}" if group == "concurrency" else str(g) for g in groups])
