@@ -148,6 +148,7 @@ def run_bench(args: argparse.Namespace) -> int:
     levels = [] if args.quick else args.concurrency
     # Refuse a bad temperature or prompt file before loading anything.
     for option, check in (("--temperature", lambda: decoding_kwargs(args.temperature)),
+                          ("--per-set", lambda: check_positive(per_set)),
                           ("--prompts", lambda: check_prompt_files(args.prompts or []))):
         try:
             check()
@@ -228,6 +229,11 @@ DTYPES = ("float32", "bfloat16")
 BFLOAT16_MARGIN = 0.05
 QUICK = (1, 48)  # prompts per set, new tokens of `bench --quick`
 DEFAULT_PER_SET = 4  # held-out prompts of each bundled set in `bench`
+
+
+def check_positive(count: int | None) -> None:
+    if count is not None and count < 1:
+        raise ValueError(f"must be at least 1 (or left out), got {count}.")
 
 
 def check_prompt_files(paths: list[str]) -> None:
