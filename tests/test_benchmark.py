@@ -382,6 +382,9 @@ def test_bench_measures_a_prompt_file_as_its_own_domain(targets, tmp_path, monke
     broken.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
     with pytest.raises(SystemExit, match=r"--prompts: .*broken.jsonl, line 2: expected a JSON object with a \"prompt\""):
         cli.run_bench(cli.build_parser().parse_args(["bench", "--prompts", str(broken), "--dtype", "float32"]))
+    broken.write_text('{"prompt": "fine"}\n\nnot json at all\n')
+    with pytest.raises(SystemExit, match=r"--prompts: .*broken.jsonl, line 3: expected a JSON object"):
+        cli.run_bench(cli.build_parser().parse_args(["bench", "--prompts", str(broken), "--dtype", "float32"]))
     with pytest.raises(SystemExit, match="--per-set: must be at least 1"):
         cli.run_bench(cli.build_parser().parse_args(["bench", "--prompts", str(mine), "--per-set", "0", "--dtype", "float32"]))
     with pytest.raises(SystemExit, match="--prompts: .*JSONL prompt file"):

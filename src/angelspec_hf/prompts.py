@@ -16,7 +16,10 @@ def _read_jsonl(path: Path) -> list[str]:
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}, line {number}: expected a JSON object with a \"prompt\" string, "
                              'one a line (for example {"prompt": "Write a haiku about tea."}).')
