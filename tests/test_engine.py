@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from angelspec_hf import DFlyDrafter, MTPDrafter
-from angelspec_hf.errors import DrafterTargetMismatchError
+from angelspec_hf.errors import DrafterTargetMismatchError, UnsupportedCacheError
 from angelspec_hf.generation.engine import EngineRequestError, SpeculativeEngine
 from angelspec_hf.reference import tiny_target
 from fitting import fit_dfly, fit_mtp, target_sequences
@@ -109,6 +109,67 @@ def test_engine_refuses_a_foreign_drafter_and_a_bad_temperature(setup):
         SpeculativeEngine(tiny_target("llama", seed=5), drafters["dfly"])
     with pytest.raises(ValueError, match="temperature must be > 0"):
         SpeculativeEngine(target).generate([[5, 6]], do_sample=True, temperature=0.0)
+
+
+# Windows shorter than the outputs, so every row's later tokens must not see its first ones. Mistral
+# slides in every layer (one mask), Qwen2 in its upper half and Gemma2 in every other layer (a mask per
+# layer type; Gemma2 also attends eagerly, so its masks are additive floats).
+SLIDING = {
+    "mistral": dict(sliding_window=6),
+    "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=3),
+    "gemma2": dict(sliding_window=6, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SLIDING))
+def sliding_setup(request):
+    target = tiny_target(request.param, seed=3, **SLIDING[request.param])
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    target.requires_grad_(False)
+    sequences = target_sequences(target, 12, PROMPT, 40, seed=1)
+    torch.manual_seed(0)
+    drafter = fit_mtp(MTPDrafter.from_target(target, num_draft_tokens=3), target, sequences, PROMPT, steps=200)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [sequences[i, :PROMPT].tolist() for i in range(4)]
+    prompts += [torch.randint(3, 96, (n,), generator=generator).tolist() for n in (3, 11)]
+    return target, drafter, prompts
+
+
+@pytest.mark.parametrize("drafted", [False, True], ids=["plain", "mtp"])
+def test_sliding_window_targets_keep_every_row_plain(sliding_setup, drafted):
+    """Rows share physical cache columns with other rows and with rejected drafts, so a window over
+    columns is not a window over positions: the engine masks by each row's own positions."""
+    target, drafter, prompts = sliding_setup
+    engine = SpeculativeEngine(target, drafter if drafted else None, max_batch_size=3)
+    outputs = engine.generate(prompts, max_new_tokens=25)
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
+    if drafted:
+        accepted = [a for entry in engine.stats for a in entry["accepted"]]
+        assert max(accepted) >= 2 and 0 in accepted, accepted
+
+
+def test_sliding_window_targets_generate_with_a_drafter_is_plain(sliding_setup):
+    """transformers' own assisted loop crops the target's sliding cache layers after a rejection."""
+    target, drafter, prompts = sliding_setup
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        expected = target.generate(ids, do_sample=False, max_new_tokens=25, eos_token_id=None)
+        assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=25,
+                                           eos_token_id=None), expected)
+
+
+def test_engine_names_the_attention_it_cannot_mask():
+    target = tiny_target("llama")
+    target.config.layer_types = ["full_attention", "chunked_attention"] * 3
+    target.config.attention_chunk_size = 8
+    with pytest.raises(UnsupportedCacheError, match=r"\['chunked_attention'\].*target.generate\(assistant_model=drafter\)"):
+        SpeculativeEngine(target)
+    windowed = tiny_target("mistral", sliding_window=6)
+    windowed.config._attn_implementation_internal = "flash_attention_2"
+    with pytest.raises(UnsupportedCacheError, match="attn_implementation='sdpa'"):
+        SpeculativeEngine(windowed).generate([[5, 6, 7]], max_new_tokens=2)
 
 
 @pytest.mark.parametrize("name", [None, "dfly", "mtp"])

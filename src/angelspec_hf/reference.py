@@ -171,7 +171,10 @@ def load_reference_target(
 
 # --------------------------------------------------------------------------- tiny targets
 
-TINY_FAMILIES = ("llama", "qwen3")
+# Llama and Qwen3 are the unit tests' families; Mistral, Qwen2 and Gemma2 bring sliding-window attention
+# (all layers, some layers, every other layer), which the engine must mask by each row's own positions.
+TINY_FAMILIES = ("llama", "qwen3", "mistral", "qwen2", "gemma2")
+_TINY_CLASSES = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral", "qwen2": "Qwen2", "gemma2": "Gemma2"}
 
 
 def tiny_target(
@@ -182,13 +185,14 @@ def tiny_target(
     seed: int = 0,
     **overrides,
 ) -> PreTrainedModel:
-    """A small random-weight causal LM of a real ``transformers`` family, for fast tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """A small random-weight causal LM of a real ``transformers`` family, for fast tests
+    (``overrides``: more config fields, e.g. ``sliding_window=8``)."""
+    import transformers
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
-    if family not in classes:
+    if family not in TINY_FAMILIES:
         raise ValueError(f"tiny_target family must be one of {TINY_FAMILIES}, got {family!r}.")
-    config_class, model_class = classes[family]
+    prefix = _TINY_CLASSES[family]
+    config_class, model_class = getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
     fields = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,

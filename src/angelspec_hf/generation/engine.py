@@ -50,14 +50,47 @@ from typing import Iterator
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import AngelSpecError, UnsupportedCacheError
 from ..modeling_angelspec_common import sample_tokens
 from .dcut import FixedLengthPolicy
+from .exact import ATTENTION_NAME
 
 logger = logging.getLogger(__name__)
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_windows(target) -> dict[str, int | None] | None:
+    """The target's attention layer types and their windows (``None``: full attention), or
+    ``None`` when every layer attends to the whole context.
+
+    Why the engine asks: its cache keeps a row's tokens at physical columns shared with other rows
+    and with masked-out rejected drafts, so the distance between two columns is not the distance
+    between two positions. transformers' sliding-window masks (built from physical columns) and
+    sliding cache layers (which drop the oldest columns) would both cut the wrong keys; the engine
+    builds sliding-window masks from each row's own positions over a full cache instead.
+    """
+    config = target.config.get_text_config(decoder=True)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
+    if other:
+        raise UnsupportedCacheError(
+            f"SpeculativeEngine serves targets whose layers use full or sliding-window attention; "
+            f"{config.model_type} also has {other} layers. Decode its requests one at a time with "
+            "target.generate(assistant_model=drafter) instead."
+        )
+    windows: dict[str, int | None] = {}
+    for layer_type, kwargs in zip(layer_types, layer_kwargs):
+        window = kwargs.get("sliding_window")
+        if windows.setdefault(layer_type, window) != window:
+            raise UnsupportedCacheError(
+                f"SpeculativeEngine needs one sliding window for all of {config.model_type}'s {layer_type} layers, "
+                f"got {windows[layer_type]} and {window}. Use target.generate(assistant_model=drafter) instead."
+            )
+    return None if set(windows) == {"full_attention"} else windows
 
 
 class EngineRequestError(AngelSpecError, ValueError):
@@ -214,6 +247,7 @@ class SpeculativeEngine:
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.final_state_index = text.num_hidden_layers  # hidden_states[L]: the final normed state
         self.layer_ids = sorted({i for model in drafters.values() for i in model.config.target_layer_ids})
+        self.attention_windows = attention_windows(target)
         self._waiting: list[_Row] = []
         self._rows: list[_Row] = []
         self._cache, self._valid = None, None
@@ -422,9 +456,39 @@ class SpeculativeEngine:
     def _flushed(self, row: _Row) -> bool:
         return self.capture_layers is None or row.flushed
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
-        return self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    def _forward(self, input_ids, cache_valid, window_valid, position_ids, cache):
+        """The target's forward over a window of ``input_ids`` (``window_valid``: its real slots) at
+        ``position_ids``, after the cache columns ``cache_valid`` marks as committed."""
+        mask = torch.cat([cache_valid, window_valid], dim=1)
+        if self.attention_windows is not None:
+            mask = self._position_masks(mask, torch.cat([cache_valid.long().cumsum(1) - 1, position_ids], dim=1),
+                                        position_ids)
+        else:
+            mask = mask.long()
+        return self.target(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=True, output_hidden_states=self.state_indices)
+
+    def _position_masks(self, key_valid: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor):
+        """4D masks by layer type (one tensor when all layers share a type) in which each query sees
+        its own row's committed keys at positions at most its own and, in sliding layers, fewer than
+        the window behind it: what plain decoding of that row sees."""
+        implementation = self.target.config._attn_implementation
+        if implementation not in ("eager", "sdpa", ATTENTION_NAME):
+            raise UnsupportedCacheError(
+                f"SpeculativeEngine builds the sliding-window masks of {self.target.config.model_type} itself, which "
+                f"attn_implementation={implementation!r} does not take; load the target with "
+                "attn_implementation='sdpa' (or 'eager')."
+            )
+        distance = query_positions[:, :, None] - key_positions[:, None, :]
+        seen = key_valid[:, None, :] & (distance >= 0)
+        masks = {}
+        for layer_type, window in self.attention_windows.items():
+            mask = (seen if window is None else seen & (distance < window))[:, None]
+            if implementation == "eager":
+                mask = torch.zeros(mask.shape, dtype=self.target.dtype, device=mask.device).masked_fill_(
+                    ~mask, torch.finfo(self.target.dtype).min)
+            masks[layer_type] = mask
+        return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def _capture(self, row: _Row, out, index: int, count: int) -> None:
         """Keep the states of the ``count`` leading window positions of batch row ``index``."""
@@ -473,19 +537,20 @@ class SpeculativeEngine:
         width = max(row.prompt_length for row in joining)
         device = self.target.device
         ids = torch.zeros(len(joining), width, dtype=torch.long, device=device)
-        mask = torch.zeros(len(joining), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(joining), width, dtype=torch.bool, device=device)
         for i, row in enumerate(joining):
             ids[i, : row.prompt_length] = torch.tensor(row.tokens, device=device)
-            mask[i, : row.prompt_length] = 1
+            mask[i, : row.prompt_length] = True
         positions = torch.arange(width, device=device)[None].expand(len(joining), -1)
-        new_cache = DynamicCache(config=self.target.config)
-        out = self._forward(ids, mask, positions, new_cache)
+        # Sliding-window targets keep every column too (see `attention_windows`).
+        new_cache = DynamicCache() if self.attention_windows is not None else DynamicCache(config=self.target.config)
+        out = self._forward(ids, mask[:, :0], mask, positions, new_cache)
         for i, row in enumerate(joining):
             row.tokens.append(self._choose(row, row.tokens, out.logits[i, row.prompt_length - 1]))
             self._assign_drafters(row)
             self._queue_outputs(row, self._row_outputs(out, i, row.prompt_length))
             self._capture(row, out, i, row.prompt_length)
-        new_valid = mask.bool()
+        new_valid = mask
         if cache is None:
             return new_cache, new_valid
         return self._merge(cache, valid, new_cache, new_valid)
@@ -495,8 +560,8 @@ class SpeculativeEngine:
         for layer, new_layer in zip(cache.layers, new_cache.layers):
             if type(layer) is not DynamicLayer or type(new_layer) is not DynamicLayer:
                 raise UnsupportedCacheError(
-                    f"SpeculativeEngine needs full-attention cache layers, got {type(layer).__name__}: "
-                    "models with sliding-window layers are not supported by the engine yet."
+                    f"SpeculativeEngine needs cache layers that keep every column, got {type(layer).__name__}; "
+                    "decode this target's requests one at a time with target.generate(assistant_model=drafter)."
                 )
             layer.keys = torch.cat([_pad_left(layer.keys, length, 2), _pad_left(new_layer.keys, length, 2)])
             layer.values = torch.cat([_pad_left(layer.values, length, 2), _pad_left(new_layer.values, length, 2)])
@@ -800,9 +865,8 @@ class SpeculativeEngine:
             ids[i, : len(window)] = torch.tensor(window, device=device)
             window_valid[i, : len(window)] = active[i] or flushing[i]
             positions[i] = len(row.tokens) - 1 + torch.arange(width, device=device)
-        mask = torch.cat([valid, window_valid], dim=1).long()
         start = time.perf_counter()
-        out = self._forward(ids, mask, positions, cache)
+        out = self._forward(ids, valid, window_valid, positions, cache)
         forward_seconds = time.perf_counter() - start
         verify_share = forward_seconds / max(sum(active), 1)
         if hasattr(policy, "record_forward"):
