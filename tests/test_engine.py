@@ -166,6 +166,12 @@ def test_engine_names_the_attention_it_cannot_mask():
     target.config.attention_chunk_size = 8
     with pytest.raises(UnsupportedCacheError, match=r"\['chunked_attention'\].*target.generate\(assistant_model=drafter\)"):
         SpeculativeEngine(target)
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    recurrent = Mamba2ForCausalLM(Mamba2Config(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32,
+                                               n_groups=1, state_size=8, chunk_size=16, expand=2))
+    with pytest.raises(UnsupportedCacheError, match="recurrent state cannot be rolled back"):
+        SpeculativeEngine(recurrent)
     windowed = tiny_target("mistral", sliding_window=6)
     windowed.config._attn_implementation_internal = "flash_attention_2"
     with pytest.raises(UnsupportedCacheError, match="attn_implementation='sdpa'"):

@@ -77,10 +77,13 @@ def attention_windows(target) -> dict[str, int | None] | None:
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
     if other:
+        fix = ("Their recurrent state cannot be rolled back after a rejected draft, so speculative decoding "
+               "(transformers' assisted generation too) does not apply to this target."
+               if getattr(target, "_is_stateful", False) else
+               "Decode its requests one at a time with target.generate(assistant_model=drafter) instead.")
         raise UnsupportedCacheError(
             f"SpeculativeEngine serves targets whose layers use full or sliding-window attention; "
-            f"{config.model_type} also has {other} layers. Decode its requests one at a time with "
-            "target.generate(assistant_model=drafter) instead."
+            f"{config.model_type} also has {other} layers. {fix}"
         )
     windows: dict[str, int | None] = {}
     for layer_type, kwargs in zip(layer_types, layer_kwargs):
