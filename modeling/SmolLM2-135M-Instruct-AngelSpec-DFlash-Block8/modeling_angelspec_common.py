@@ -419,14 +419,36 @@ def target_name(target: PreTrainedModel) -> str | None:
     return getattr(target.config, "_name_or_path", None) or getattr(target, "name_or_path", None) or None
 
 
+def target_intermediate_size(text_config) -> int:
+    """The target's MLP width, the drafter's default: older families name it otherwise (OPT ``ffn_dim``,
+    GPT-2 ``n_inner``) or leave it at four times the hidden size (GPT-2, GPT-J, BLOOM, Falcon, MPT)."""
+    for name in ("intermediate_size", "ffn_dim", "n_inner"):
+        size = getattr(text_config, name, None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return 4 * text_config.hidden_size
+
+
 def target_config_fields(target: PreTrainedModel) -> dict[str, Any]:
     """Everything a drafter config must know about its target."""
     text = target.config.get_text_config()
     num_heads = text.num_attention_heads
+    widths = {name: module.weight.shape[1] for name, module in
+              (("input embeddings", target.get_input_embeddings()), ("output embeddings", target.get_output_embeddings()))
+              if module is not None}
+    projected = {name: width for name, width in widths.items() if width != text.hidden_size}
+    if projected:
+        # A drafter reads token embeddings beside the target's hidden states and scores its own
+        # states with the target's head, so both must be as wide as the hidden states.
+        raise DrafterConfigError(
+            f"{text.model_type} target projects its embeddings ({projected}, hidden size {text.hidden_size}, "
+            "as OPT-350m does): AngelSpec drafters need embeddings as wide as the hidden states. Use a target "
+            "without embedding projections."
+        )
     return {
         "vocab_size": text.vocab_size,
         "hidden_size": text.hidden_size,
-        "intermediate_size": text.intermediate_size,
+        "intermediate_size": target_intermediate_size(text),
         "num_attention_heads": num_heads,
         "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
         "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
@@ -961,7 +983,8 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
             )
         if not model_kwargs.get("use_cache", True) or generation_config.use_cache is False:
             raise UnsupportedCacheError(
-                "Speculative decoding needs the target's KV cache. Fix: drop use_cache=False."
+                "Speculative decoding needs the target's KV cache, and this call has it off (use_cache=False, "
+                "passed or from the target's generation config, as MPT's is). Fix: pass use_cache=True."
             )
         cache = model_kwargs.get("past_key_values")
         implementation = generation_config.cache_implementation

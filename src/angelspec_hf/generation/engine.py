@@ -61,6 +61,12 @@ from .exact import ATTENTION_NAME
 logger = logging.getLogger(__name__)
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Families whose position information is counted over cache columns rather than taken from
+# position_ids or the attention mask: MPT's ALiBi biases each key by its column's distance from the
+# last column, so the engine's shared columns (other rows' padding, rejected drafts) would shift
+# them. Found by decoding every row of tiny targets of 25 families against plain `generate`
+# (session 46); BLOOM's and Falcon's ALiBi count the attention mask and are exact.
+COLUMN_POSITION_FAMILIES = ("mpt",)
 
 
 def attention_windows(target) -> dict[str, int | None] | None:
@@ -74,6 +80,12 @@ def attention_windows(target) -> dict[str, int | None] | None:
     builds sliding-window masks from each row's own positions over a full cache instead.
     """
     config = target.config.get_text_config(decoder=True)
+    if config.model_type in COLUMN_POSITION_FAMILIES:
+        raise UnsupportedCacheError(
+            f"SpeculativeEngine cannot serve {config.model_type}: its ALiBi position biases count cache columns, "
+            "which the engine shares between rows and rejected drafts. Decode its requests one at a time with "
+            "target.generate(assistant_model=drafter, use_cache=True) instead."
+        )
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
     if other:
