@@ -64,7 +64,7 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose position information is counted over cache columns rather than taken from
 # position_ids or the attention mask: MPT's ALiBi biases each key by its column's distance from the
 # last column, so the engine's shared columns (other rows' padding, rejected drafts) would shift
-# them. Found by decoding every row of tiny targets of 25 families against plain `generate`
+# them. Found by decoding every row of tiny targets of 29 families against plain `generate`
 # (session 46); BLOOM's and Falcon's ALiBi count the attention mask and are exact.
 COLUMN_POSITION_FAMILIES = ("mpt",)
 
