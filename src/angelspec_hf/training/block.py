@@ -108,11 +108,13 @@ def block_loss(
     anchors: torch.Tensor,
     objective: str = "lk",
     eta: float = 3.0,
+    target_transform=None,
 ) -> BlockLoss:
     """Loss of a DFly-family drafter on a batch, for the given anchors.
 
     ``target_hidden`` is the target's final (normed) hidden state; its ``lm_head`` is applied only
-    at the positions that serve as labels, which on CPU halves the cost of the soft labels.
+    at the positions that serve as labels, which on CPU halves the cost of the soft labels;
+    ``target_transform`` is what the target's forward does to those logits (`target_logit_transform`).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
@@ -133,7 +135,8 @@ def block_loss(
     previous = input_ids.gather(1, label_positions.flatten(1)).view(batch, num_anchors, block - 1)
     z = drafter.correct(z, embed_tokens(previous).to(dtype))
     index = label_positions.flatten(1)[..., None].expand(-1, -1, target_hidden.shape[-1])
-    draft_logits, target = vocabulary_logits(drafter, lm_head, z, target_hidden.gather(1, index))
+    draft_logits, target = vocabulary_logits(drafter, lm_head, z, target_hidden.gather(1, index),
+                                               target_transform)
     target = target.view(batch, num_anchors, block - 1, -1)
     target_tokens = target.argmax(-1)
     greedy_match = draft_logits.argmax(-1) == target_tokens

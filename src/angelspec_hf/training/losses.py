@@ -8,13 +8,69 @@ a 49k-151k vocabulary never needs more than ``CHUNK_ROWS x V`` extra floats at o
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import Callable
 
 import torch
 
 from ..modeling_angelspec_common import VocabSubsetHead
 
 CHUNK_ROWS = 1024
+
+logger = logging.getLogger(__name__)
+
+LogitTransform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def target_logit_transform(config) -> LogitTransform | None:
+    """What the target's forward does to ``lm_head`` of its final state before returning logits
+    (None: nothing): Cohere multiplies by ``logit_scale``, Granite divides by ``logits_scaling``,
+    Gemma 2 caps with ``final_logit_softcapping``. Soft labels are the target's own distribution,
+    so they need it too; without it Cohere's labels would be 16x too sharp.
+
+    The drafter's own logits stay ``lm_head`` of its state, as at inference: it learns the scale.
+    """
+    text = config.get_text_config()
+    scale = getattr(text, "logit_scale", None)
+    divisor = getattr(text, "logits_scaling", None)
+    cap = getattr(text, "final_logit_softcapping", None)
+    steps = []
+    if isinstance(scale, (int, float)) and scale != 1:
+        steps.append(lambda logits: logits * scale)
+    if isinstance(divisor, (int, float)) and divisor != 1:
+        steps.append(lambda logits: logits / divisor)
+    if isinstance(cap, (int, float)) and cap > 0:
+        steps.append(lambda logits: torch.tanh(logits / cap) * cap)
+    if not steps:
+        return None
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        for step in steps:
+            logits = step(logits)
+        return logits
+
+    return transform
+
+
+def check_target_logits(target, transform: LogitTransform | None, input_ids: torch.Tensor) -> float:
+    """Largest difference between the target's logits and ``lm_head`` of its final state through
+    ``transform`` on ``input_ids`` (1, n); warns when they differ, since the soft labels are built
+    that way: a family that transforms its logits otherwise needs its rule in `target_logit_transform`."""
+    with torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
+        # The final state as training reads it (`features.run_target`: the base model's output).
+        final = target.base_model(input_ids=input_ids).last_hidden_state
+        rebuilt = target.get_output_embeddings()(final).float()
+        if transform is not None:
+            rebuilt = transform(rebuilt)
+        logits = target(input_ids=input_ids).logits.float()
+    difference = (rebuilt - logits).abs().max().item()
+    if difference > 1e-3 * max(logits.abs().max().item(), 1.0):
+        logger.warning(
+            "The soft labels (lm_head of the target's final state) differ from %s's logits by up to %.3g: "
+            "its forward transforms the logits in a way angelspec-hf does not know, so the drafter trains "
+            "against another distribution than the target's.", target.config.model_type, difference)
+    return difference
 
 
 def _rowwise(function, *tensors: torch.Tensor, width: int | None = None) -> torch.Tensor:
@@ -123,22 +179,29 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum() / weights.sum().clamp_min(math.ulp(1.0))
 
 
-def vocabulary_logits(drafter, lm_head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor):
+def vocabulary_logits(drafter, lm_head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor,
+                      target_transform: LogitTransform | None = None):
     """Draft and target logits over the drafter's vocabulary (the reduced one if it has one), for
     MTP and block drafters alike (both expose ``vocab_logits`` and ``draft_token_ids``).
 
     With a reduced vocabulary the target is renormalised over it (EAGLE-3's choice): outside it
     the drafter has no mass to move, and full-vocabulary logits would cost V/|draft| times more.
     """
-    return drafter.vocab_logits(draft_hidden, lm_head).float(), target_vocabulary_logits(drafter, lm_head, target_hidden)
+    return (drafter.vocab_logits(draft_hidden, lm_head).float(),
+            target_vocabulary_logits(drafter, lm_head, target_hidden, target_transform))
 
 
-def target_vocabulary_logits(drafter, lm_head, target_hidden: torch.Tensor) -> torch.Tensor:
-    """The target side of `vocabulary_logits` alone (the soft labels), in float32."""
+def target_vocabulary_logits(drafter, lm_head, target_hidden: torch.Tensor,
+                             transform: LogitTransform | None = None) -> torch.Tensor:
+    """The target side of `vocabulary_logits` alone (the soft labels), in float32, through the
+    target's own logit ``transform`` (`target_logit_transform`), which is elementwise, so a
+    reduced vocabulary's columns get it alike."""
     # The target's own precision even under mixed-precision training: bfloat16 logits would move
     # every target probability by up to a few percent.
     with torch.autocast(target_hidden.device.type, enabled=False):
         if not drafter.config.uses_reduced_vocab:
-            return lm_head(target_hidden).float()
-        rows = VocabSubsetHead(lm_head, drafter.draft_token_ids(), drafter.config.vocab_size)
-        return rows.subset_logits(target_hidden).float()
+            logits = lm_head(target_hidden).float()
+        else:
+            rows = VocabSubsetHead(lm_head, drafter.draft_token_ids(), drafter.config.vocab_size)
+            logits = rows.subset_logits(target_hidden).float()
+        return logits if transform is None else transform(logits)

@@ -86,11 +86,13 @@ def chain_loss(
     objective: str = "lk",
     eta: float = 3.0,
     document_ids: torch.Tensor | None = None,
+    target_transform=None,
 ) -> ChainLoss:
     """Loss of an `MTPDrafter` over every chain origin of a batch, unrolled ``steps`` times.
 
     ``target_hidden`` is the target's final (normed) hidden state; ``loss_start``/``lengths``
-    bound, per row, the positions whose tokens are trained (the response) and the real tokens.
+    bound, per row, the positions whose tokens are trained (the response) and the real tokens;
+    ``target_transform`` is what the target's forward does to its logits (`target_logit_transform`).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
@@ -107,7 +109,7 @@ def chain_loss(
     tokens = input_ids[:, 1:]
     # Step k of origin t predicts token t+k+2, whose target view sits at position t+k+1: every
     # step's soft labels are rows of one target pass over positions 1..length-1.
-    labels = target_vocabulary_logits(drafter, lm_head, target_hidden[:, 1:])
+    labels = target_vocabulary_logits(drafter, lm_head, target_hidden[:, 1:], target_transform)
     label_best = labels.argmax(-1)
     layers = drafter.config.num_hidden_layers
     committed, chains, draft_tokens = [None] * layers, [[] for _ in range(layers)], []

@@ -16,6 +16,7 @@ from transformers import Trainer, TrainerCallback
 
 from .block import block_loss, sample_anchors
 from .features import FeatureCache, run_target
+from .losses import check_target_logits, target_logit_transform
 from .mtp import chain_loss
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class DrafterTrainer(Trainer):
         self.objective, self.num_anchors, self.eta, self.ttt = objective, num_anchors, eta, ttt
         self.layer_ids = list(self.model.config.target_layer_ids)
         self.feature_cache = FeatureCache(feature_cache, self.target, self.layer_ids) if feature_cache else None
+        self.target_transform = target_logit_transform(self.target.config)
+        probe = torch.arange(3, 11, device=self.target.device)[None] % self.target.config.get_text_config().vocab_size
+        check_target_logits(self.target, self.target_transform, probe)
         self._metric_sums: dict[str, float] = defaultdict(float)
         self._metric_count = 0
         self._anchor_generator = torch.Generator().manual_seed(self.args.seed)
@@ -83,10 +87,10 @@ class DrafterTrainer(Trainer):
             anchors = sample_anchors(inputs["loss_start"], inputs["lengths"], model.config.block_size,
                                      self.num_anchors, self._anchor_generator)
             return block_loss(model, features, input_ids, final, embed, lm_head, anchors,
-                              objective=self.objective, eta=self.eta)
+                              objective=self.objective, eta=self.eta, target_transform=self.target_transform)
         return chain_loss(model, features, input_ids, final, embed, lm_head,
                           inputs["loss_start"], inputs["lengths"], ttt=self.ttt, objective=self.objective,
-                          eta=self.eta)
+                          eta=self.eta, target_transform=self.target_transform)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._metric_count:
