@@ -286,6 +286,24 @@ def test_gate_averages_its_first_rounds_evenly():
     assert policy.gate.efficiency == pytest.approx(0.75 * 1.1 + 0.25 * 2.0)
 
 
+def test_the_engine_gate_closes_only_below_its_margin():
+    """The engine's gate keeps drafting at an efficiency between 0.9 and 1 (a few-row step's
+    measurement is noisy, and one dip below 1 closed a drafter that paid 1.3x for 40-56 steps),
+    and closes below it; the batch-1 gate still closes below 1. ``close_below`` is checked."""
+    from angelspec_hf.generation import BatchDCutPolicy
+    from angelspec_hf.generation.dcut import DraftGate
+
+    for efficiency, paying in ((0.95, True), (0.85, False)):
+        gate = BatchDCutPolicy(batch16_cost()).gate_for("drafter")
+        gate.record_rate(tokens=efficiency, seconds=1.0, plain_tokens=1.0, plain_seconds=1.0)
+        assert gate.paying is paying and gate.should_draft() is paying
+    batch1 = DCutPolicy(linear_cost(1.0, 0.0)).gate
+    batch1.record_rate(tokens=0.95, seconds=1.0, plain_tokens=1.0, plain_seconds=1.0)
+    assert not batch1.paying
+    with pytest.raises(ValueError, match="close_below"):
+        DraftGate(close_below=1.5)
+
+
 @pytest.mark.parametrize("budget, wait", [(None, 16), (0.02, 400), (0.5, 16)])
 def test_batch_retries_wait_until_their_loss_fits_the_probe_budget(budget, wait):
     from angelspec_hf.generation import BatchDCutPolicy

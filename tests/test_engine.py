@@ -467,6 +467,31 @@ class _ClosedThenOpen:
         pass
 
 
+def test_reading_the_prompt_is_catch_up_not_a_drafting_round(setup):
+    """The share of a drafter's read that its round is charged for: none of a new request's prompt
+    (read once per request; charged to the first round, it closed drafters that paid), all of one
+    step's states, and the latest step's part of a backlog."""
+    target, drafters, prompts = setup
+    engine = SpeculativeEngine(target, drafters["mtp"], max_batch_size=2)
+    captured = []
+    take = engine._take_pending
+
+    def recorded(row, arm):
+        committed, result = row.generators[arm].committed, take(row, arm)
+        captured.append((committed, result[1]))
+        return result
+
+    engine._take_pending = recorded
+    engine.generate([prompts[7]], max_new_tokens=12)
+    (first_committed, first_share), *later = captured
+    assert first_committed == 0 and first_share == 0.0
+    assert later and all(committed > 0 and share == 1.0 for committed, share in later), later
+    row = SimpleNamespace(pending={"a": [(torch.zeros(1, 6, 4),), (torch.zeros(1, 2, 4),)]},
+                          generators={"a": SimpleNamespace(committed=9)})
+    states, share = SpeculativeEngine._take_pending(row, "a")
+    assert states.hidden_states[0].shape[1] == 8 and share == 0.25
+
+
 def _fitted_against_useless(setup, max_batch_size: int, policy=None) -> SpeculativeEngine:
     """An engine routing between a fitted drafter, a useless one and no drafter."""
     target, drafters, _ = setup

@@ -182,10 +182,13 @@ class DraftGate:
     """
 
     def __init__(self, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
-                 probe_budget: float | None = None):
+                 probe_budget: float | None = None, close_below: float = 1.0):
         if probe_budget is not None and not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget is a fraction of the time (0 < probe_budget <= 1), got {probe_budget}")
+        if not 0 < close_below <= 1:
+            raise ValueError(f"close_below is an efficiency (0 < close_below <= 1), got {close_below}")
         self.explore_every = explore_every
+        self.close_below = close_below
         self.smoothing = smoothing
         self.max_backoff = max_backoff
         self.probe_budget = probe_budget
@@ -202,8 +205,13 @@ class DraftGate:
             steps = max(steps, math.ceil(self.lost_steps / self.probe_budget))
         return steps
 
+    @property
+    def paying(self) -> bool:
+        """Whether drafting counts as paying: not measured yet, or its efficiency at least ``close_below``."""
+        return self.efficiency is None or self.efficiency >= self.close_below
+
     def should_draft(self) -> bool:
-        if self.efficiency is None or self.efficiency >= 1.0:
+        if self.paying:
             return True
         self.skipped += 1
         if self.skipped >= self.wait():
@@ -222,7 +230,7 @@ class DraftGate:
         self.rounds += 1
         self.efficiency = _moving(self.efficiency, ratio, max(self.smoothing, 1 / self.rounds))
         self.lost_steps = max(0.0, seconds / plain_seconds - tokens / plain_tokens)
-        self.backoff = 1 if self.efficiency >= 1.0 else min(2 * self.backoff, self.max_backoff)
+        self.backoff = 1 if self.paying else min(2 * self.backoff, self.max_backoff)
 
 
 class _PacedPolicy:
@@ -230,7 +238,7 @@ class _PacedPolicy:
     calibration of confidences, and the settings of their draft gates (`DraftGate`)."""
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
-                 probe_budget: float | None = None, track_pace: bool = True):
+                 probe_budget: float | None = None, track_pace: bool = True, close_below: float = 1.0):
         self.cost_model = cost_model
         # Moving average of (measured forward seconds) / (the cost model's seconds for it): 1 while the
         # machine runs at the profile's speed; None until a forward is recorded (read as 1).
@@ -242,11 +250,12 @@ class _PacedPolicy:
         self.smoothing = smoothing
         self.max_backoff = max_backoff
         self.probe_budget = probe_budget
+        self.close_below = close_below
         self.decisions = 0
         self._new_gate()  # checks the gate's settings now, not at the first drafting round
 
     def _new_gate(self) -> DraftGate:
-        return DraftGate(self.explore_every, self.smoothing, self.max_backoff, self.probe_budget)
+        return DraftGate(self.explore_every, self.smoothing, self.max_backoff, self.probe_budget, self.close_below)
 
     def record_forward(self, seconds: float, width: int, context: int, batch: int = 1) -> None:
         """A target forward of ``batch`` rows verifying ``width`` tokens each at ``context`` took ``seconds``.
@@ -384,8 +393,8 @@ class BatchDCutPolicy(_PacedPolicy):
     """
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.2, max_backoff: int = 8,
-                 probe_budget: float | None = 0.02, track_pace: bool = True):
-        super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget, track_pace)
+                 probe_budget: float | None = 0.02, track_pace: bool = True, close_below: float = 0.9):
+        super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget, track_pace, close_below)
         self.windows: list[int] = []  # chosen window of every drafting step, for reports
         self.gates: dict[str | None, ArmGate] = {}
         # One calibration per drafter: rows of a routed engine draft with different drafters, whose
@@ -393,7 +402,7 @@ class BatchDCutPolicy(_PacedPolicy):
         self.calibrators: dict[str, Calibrator] = {}
 
     def _new_gate(self) -> ArmGate:
-        return ArmGate(self.explore_every, self.smoothing, self.max_backoff, self.probe_budget)
+        return ArmGate(self.explore_every, self.smoothing, self.max_backoff, self.probe_budget, self.close_below)
 
     def gate_for(self, arm: str | None = None) -> ArmGate:
         gate = self.gates.get(arm)
@@ -405,7 +414,7 @@ class BatchDCutPolicy(_PacedPolicy):
         """Whether ``arm``'s drafting has been paying (True before it is measured): a router weighs
         it when choosing a drafter, since rows on a closed one decode plainly until it reopens."""
         gate = self.gates.get(arm)
-        return gate is None or gate.efficiency is None or gate.efficiency >= 1.0
+        return gate is None or gate.paying
 
     def calibrator_for(self, arm: str | None) -> Calibrator:
         if arm is None:
@@ -423,10 +432,10 @@ class BatchDCutPolicy(_PacedPolicy):
         and queue state, and asks once per drafter."""
         gate = self.gate_for(arm)
         last = gate.last_step
-        closed = gate.efficiency is not None and gate.efficiency < 1.0
+        closed = not gate.paying
         # A step under the other objective (the queue filled or emptied) is not repriced: timed retries.
         if closed and batch is not None and context is not None and last is not None and last.queued == queued:
-            if self.predicted_efficiency(batch, context, arm) >= 1.0:
+            if self.predicted_efficiency(batch, context, arm) >= self.close_below:
                 gate.skipped = 0
                 return True
         return gate.should_draft()
