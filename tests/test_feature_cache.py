@@ -64,7 +64,10 @@ def test_training_with_a_cache_runs_the_target_once_per_row(targets, tmp_path):
     target = targets.target("llama")
     rows = [{"input_ids": row.tolist(), "loss_start": PROMPT_LENGTH} for row in targets.sequences("llama")[:6]]
     forwards = []
-    hook = target.base_model.register_forward_hook(lambda *_: forwards.append(1))
+    # Forwards over training batches (3 rows); each run also checks the target's logits on a 1-row probe.
+    hook = target.base_model.register_forward_hook(
+        lambda module, args, kwargs, output: forwards.append(1) if kwargs["input_ids"].shape[0] == 3 else None,
+        with_kwargs=True)
     try:
         for run in ("first", "second"):
             recipe = Recipe(name="mtp-chat", num_draft_tokens=2, lk_steps=6, tv_steps=3, batch_size=3,

@@ -58,12 +58,12 @@ def check_target_logits(target, transform: LogitTransform | None, input_ids: tor
     ``transform`` on ``input_ids`` (1, n); warns when they differ, since the soft labels are built
     that way: a family that transforms its logits otherwise needs its rule in `target_logit_transform`."""
     with torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
-        # The final state as training reads it (`features.run_target`: the base model's output).
-        final = target.base_model(input_ids=input_ids).last_hidden_state
-        rebuilt = target.get_output_embeddings()(final).float()
+        out = target(input_ids=input_ids, output_hidden_states=True)
+        # hidden_states[-1] is the final normed state, what training reads (`features.run_target`).
+        rebuilt = target.get_output_embeddings()(out.hidden_states[-1]).float()
         if transform is not None:
             rebuilt = transform(rebuilt)
-        logits = target(input_ids=input_ids).logits.float()
+        logits = out.logits.float()
     difference = (rebuilt - logits).abs().max().item()
     if difference > 1e-3 * max(logits.abs().max().item(), 1.0):
         logger.warning(
