@@ -173,8 +173,8 @@ def load_reference_target(
 
 # Llama and Qwen3 are the unit tests' families; Mistral, Qwen2 and Gemma2 bring sliding-window attention
 # (all layers, some layers, every other layer), which the engine must mask by each row's own positions.
-TINY_FAMILIES = ("llama", "qwen3", "mistral", "qwen2", "gemma2")
 _TINY_CLASSES = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral", "qwen2": "Qwen2", "gemma2": "Gemma2"}
+TINY_FAMILIES = tuple(_TINY_CLASSES)
 
 
 def tiny_target(

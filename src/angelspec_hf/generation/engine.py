@@ -50,7 +50,7 @@ from typing import Iterator
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
-from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import AngelSpecError, UnsupportedCacheError
@@ -565,8 +565,9 @@ class SpeculativeEngine:
             ids[i, : row.prompt_length] = torch.tensor(row.tokens, device=device)
             mask[i, : row.prompt_length] = True
         positions = torch.arange(width, device=device)[None].expand(len(joining), -1)
-        # Sliding-window targets keep every column too (see `attention_windows`).
-        new_cache = DynamicCache() if self.attention_windows is not None else DynamicCache(config=self.target.config)
+        # Layers that keep every column, sliding-window ones too (see `attention_windows`, which refuses
+        # every other layer type), so that rows can be merged and dead columns trimmed.
+        new_cache = DynamicCache()
         out = self._forward(ids, mask[:, :0], mask, positions, new_cache)
         for i, row in enumerate(joining):
             row.tokens.append(self._choose(row, row.tokens, out.logits[i, row.prompt_length - 1]))
@@ -581,11 +582,6 @@ class SpeculativeEngine:
     def _merge(self, cache, valid, new_cache, new_valid):
         length = max(valid.shape[1], new_valid.shape[1])
         for layer, new_layer in zip(cache.layers, new_cache.layers):
-            if type(layer) is not DynamicLayer or type(new_layer) is not DynamicLayer:
-                raise UnsupportedCacheError(
-                    f"SpeculativeEngine needs cache layers that keep every column, got {type(layer).__name__}; "
-                    "decode this target's requests one at a time with target.generate(assistant_model=drafter)."
-                )
             layer.keys = torch.cat([_pad_left(layer.keys, length, 2), _pad_left(new_layer.keys, length, 2)])
             layer.values = torch.cat([_pad_left(layer.values, length, 2), _pad_left(new_layer.values, length, 2)])
         merged = torch.cat([_pad_left(valid, length, 1, False), _pad_left(new_valid, length, 1, False)])
