@@ -680,8 +680,9 @@ def test_a_request_does_not_settle_on_a_drafter_the_policy_keeps_closed(setup):
 
 
 def test_a_request_leaves_a_drafter_the_policy_closes_after_it_settled(setup):
-    """Settled while both drafters were open, the request keeps the other one idle; once the
-    policy closes its drafter it moves, once, to the open one, and drops the idle drafters."""
+    """Settled while both drafters were open, the request keeps the other one idle; whenever the
+    policy closes its drafter and the other is open, it moves there (and back, if that one closes
+    and its first reopens), keeping both."""
     engine = _fitted_against_useless(setup, max_batch_size=4)
     closed: set = set()
     engine.policy = SimpleNamespace(is_open=lambda arm: arm not in closed)
@@ -689,16 +690,19 @@ def test_a_request_leaves_a_drafter_the_policy_closes_after_it_settled(setup):
     engine._settle(row)
     assert row.arm == "fitted" and set(row.generators) == {"fitted", "useless"}
     engine._leave_closed_drafter(row)
-    assert row.arm == "fitted" and not row.switched  # its drafter is open: it stays
+    assert row.arm == "fitted" and row.switches == 0  # its drafter is open: it stays
     closed.update({"fitted", "useless"})
     engine._leave_closed_drafter(row)
-    assert row.arm == "fitted" and set(row.generators) == {"fitted", "useless"}  # nowhere open to go
+    assert row.arm == "fitted" and row.switches == 0  # nowhere open to go
     closed.discard("useless")
     engine._leave_closed_drafter(row)
-    assert row.arm == "useless" and row.switched and set(row.generators) == {"useless"}
+    assert row.arm == "useless" and row.switches == 1 and set(row.generators) == {"useless", "fitted"}
     closed.add("useless")
     engine._leave_closed_drafter(row)
-    assert row.arm == "useless"  # once only
+    assert row.arm == "useless" and row.switches == 1  # both closed: it stays
+    closed.discard("fitted")
+    engine._leave_closed_drafter(row)
+    assert row.arm == "fitted" and row.switches == 2
     # Without a policy that gates drafters, a settled request keeps its drafter alone.
     engine.policy = None
     row = _routed_row(engine, {"fitted": (8, 0.1, 2), "useless": (6, 0.1, 2)})
@@ -706,15 +710,42 @@ def test_a_request_leaves_a_drafter_the_policy_closes_after_it_settled(setup):
     assert set(row.generators) == {"fitted"}
 
 
-def test_requests_that_leave_a_closed_drafter_stay_exact(setup):
+def test_a_probing_request_verifies_an_open_drafter(setup):
+    """While a request probes, a closed verified drafter would hold it on plain rounds (its
+    probes wait for a drafting round): the open probed drafter with the best pooled rate is
+    verified instead; an open one never moves, nor one whose alternatives are closed or unprobed."""
+    from angelspec_hf.generation.engine import _Row
+
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    closed: set = set()
+    engine.policy = SimpleNamespace(is_open=lambda arm: arm not in closed)
+    row = _Row(0, [1, 2, 3], 3, 10, arm="useless", probing=["useless", "none"])
+    row.generators = {arm: object() for arm in engine.drafters}
+    engine._leave_closed_drafter(row)
+    assert row.arm == "useless"  # open
+    closed.add("useless")
+    engine._leave_closed_drafter(row)
+    assert row.arm == "useless" and row.switches == 0  # "fitted" is not among its probed arms
+    row.probing = ["useless", "fitted", "none"]
+    closed.add("fitted")
+    engine._leave_closed_drafter(row)
+    assert row.arm == "useless"  # every drafter closed
+    closed.discard("fitted")
+    engine._leave_closed_drafter(row)
+    assert row.arm == "fitted" and row.switches == 1 and row.probing == ["useless", "fitted", "none"]
+
+
+@pytest.mark.parametrize("closes_after", [6, 0])
+def test_requests_that_leave_a_closed_drafter_stay_exact(setup, closes_after):
     """Served end to end by a policy that closes the fitted drafter once requests have settled on
-    it: they move to the other drafter, which catches up on the states it missed, and every
-    output stays token-identical to plain decoding."""
+    it (or from the start, while they probe with it verified): they move to the other drafter,
+    which catches up on the states it missed, and every output stays token-identical to plain
+    decoding."""
     policy = cutting_policy(explore_every=1000, slot_cost=0.0)
-    policy.is_open = lambda arm=None: arm != "fitted" or policy.decisions < 6
+    policy.is_open = lambda arm=None: arm != "fitted" or policy.decisions < closes_after
     engine = _fitted_against_useless(setup, max_batch_size=2, policy=policy)
     _serve_five_checked(setup, engine, forward_seconds=0.05)
-    assert any(entry["switched"] for entry in engine.stats), engine.stats
+    assert any(entry["switches"] for entry in engine.stats), engine.stats
 
 
 def test_later_requests_skip_the_arm_earlier_ones_found_useless(setup):
@@ -775,10 +806,11 @@ def test_routed_rows_are_calibrated_per_drafter(setup):
 
 
 def test_probes_pause_while_the_verified_drafter_is_measured_closed(setup):
-    """While the policy says a probing request's verified drafter does not pay, that drafter drafts
-    alone (probes beside it would only multiply drafting that does not pay); while it is open,
-    measured or not, the other drafter probes beside it. Outputs stay exact either way."""
-    closed = {"fitted"}
+    """While the policy says a probing request's verified drafter does not pay, and no other
+    drafter is open to move to, that drafter drafts alone (probes beside it would only multiply
+    drafting that does not pay); while it is open, measured or not, the other drafter probes
+    beside it. Outputs stay exact either way."""
+    closed = {"fitted", "useless"}
     policy = cutting_policy(explore_every=1000, slot_cost=0.0)
     policy.is_open = lambda arm=None: arm not in closed
     engine = _fitted_against_useless(setup, max_batch_size=4, policy=policy)

@@ -141,7 +141,7 @@ class _Row:
     probing: list[str] = field(default_factory=list)  # arms this request still scores (empty: settled)
     probes: list[_Probe] = field(default_factory=list)  # drafted probes not scored yet
     arm_scores: dict = field(default_factory=dict)  # arm -> [tokens, seconds, rounds] of this request's scored probes
-    switched: bool = False  # left the drafter it settled on when the policy closed it
+    switches: int = 0  # moves off a drafter the policy closed (see `_leave_closed_drafter`)
     # arm -> hidden states of the row's committed positions that arm's drafter has not ingested
     # yet, one entry per forward; a drafter ingests only when it drafts.
     pending: dict = field(default_factory=dict)
@@ -227,8 +227,8 @@ class SpeculativeEngine:
     Routing: ``probe_rounds`` probes per arm, drafted side by side in the request's first drafting
     rounds while the pooled best arm (the first drafter before there is evidence) is verified. The
     request then settles on the arm with the best rate, its own probes weighed against the pooled
-    evidence (a drafter the policy keeps closed only if every drafter is closed; one it closes
-    later is left, once, for the best open drafter the request probed: ``switched`` in its
+    evidence (a drafter the policy keeps closed only if every drafter is closed; a request whose
+    drafter the policy closes, probing or settled, moves to an open one: ``switches`` in its
     stats). An arm is competitive for a request when its own probes' rate is at least ``1 -
     route_margin`` of the request's best arm's (``arm_record``: arm -> [competitive, probed]
     requests); one competitive for none of at least `PRUNE_AFTER_REQUESTS` requests is not
@@ -408,7 +408,7 @@ class SpeculativeEngine:
         if self.capture_layers is not None:
             self.captured_states[row.index] = self._gather_captured(row)
         self.stats.append({"index": row.index, "rounds": len(row.accepted), "accepted": row.accepted,
-                           "drafter": row.arm, "switched": row.switched,
+                           "drafter": row.arm, "switches": row.switches,
                            "probes": {arm: tuple(score) for arm, score in row.arm_scores.items()}})
 
     @staticmethod
@@ -766,21 +766,31 @@ class SpeculativeEngine:
         row.pending = {arm: states for arm, states in row.pending.items() if arm in row.generators}
 
     def _leave_closed_drafter(self, row: _Row) -> None:
-        """Move a settled request off a drafter the policy has closed, to the open drafter it
-        probed best, once; its idle drafters go either way once it has moved.
+        """Move a request off a drafter the policy has closed, to the best open drafter it may use:
+        while it probes, the open probed drafter with the best pooled rate becomes the one verified;
+        once settled, the open drafter it probed best. Its other drafters stay, idle, so that it can
+        move again if that one closes too (``switches`` in its stats counts the moves).
 
-        Why: a request settles when its probes are scored, which for the first requests is before
-        the policy has measured a step of most drafters; at concurrency 4 on the reference CPU the
-        MTP drafter's gate then closed, and the requests on it decoded plainly for 76-122 rounds
-        (tau 1.04-1.09) while DFlash rows beside them made 2.0-2.5 tokens a round. The new
-        drafter catches up on the states it missed in one call, as after any closed round."""
-        if row.probing or row.switched or len(row.generators) < 2 or self._arm_open(row.arm):
+        Why: rows on a closed drafter decode plainly, and a drafter serving one row of a batch pays
+        its call's whole fixed cost alone (DFlash-Block8 drafting for 1 row took 8 ms against 13.5
+        ms for 4 on the reference CPU), so its gate closes where the same row would pay on the
+        batch's other drafter. At concurrency 4 on the main job's 16 requests (`logs/s47`), one
+        request a pass then decoded plainly for 46-48 rounds: a chat request that had already
+        moved once (the rule allowed one move) and a code request still probing, whose probes wait
+        for a drafting round that never came; each pass needed 772-810 request-rounds against
+        DFlash + D-cut's 762-767. A request also settles before the policy has measured most
+        drafters (when its probes are scored), so the drafter it settled on can close later."""
+        if row.arm == NO_DRAFTER or len(row.generators) < 2 or self._arm_open(row.arm):
             return
-        open_arms = [arm for arm in sorted(row.generators) if arm != row.arm and self._arm_open(arm)]
-        if open_arms:
+        usable = [arm for arm in row.probing if arm in row.generators] if row.probing else list(row.generators)
+        open_arms = [arm for arm in sorted(usable) if arm != row.arm and self._arm_open(arm)]
+        if not open_arms:
+            return
+        if row.probing:
+            row.arm = max(open_arms, key=lambda arm: self._pooled_rate(arm) or 0.0)
+        else:
             row.arm = max(open_arms, key=lambda arm: self._blended_rate(row, arm))
-            row.switched = True
-            self._keep_generators(row, {row.arm})
+        row.switches += 1
 
     def _settling_arms(self, row: _Row) -> list[str]:
         """The arms a request may settle on: those it probed, less the drafters the policy keeps
