@@ -735,6 +735,26 @@ def test_a_probing_request_verifies_an_open_drafter(setup):
     assert row.arm == "fitted" and row.switches == 1 and row.probing == ["useless", "fitted", "none"]
 
 
+def test_a_probing_request_stops_probing_closed_drafters(setup):
+    """A drafter the policy keeps closed while another probed drafter is open is no longer probed
+    (no request could settle on it); a request whose other arms have been probed enough then
+    settles at once. With every drafter closed, nothing is dropped."""
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    closed: set = set()
+    engine.policy = SimpleNamespace(is_open=lambda arm: arm not in closed)
+    row = _routed_row(engine, {"fitted": (8, 0.1, 2), "none": (2, 0.08, 2)})
+    row.probing = ["fitted", "useless", "none"]
+    engine._stop_probing_closed(row)
+    assert row.probing == ["fitted", "useless", "none"]  # "useless" open, not yet probed: waits for it
+    assert engine._shadow_arms(row) == ["useless"]
+    closed.update({"fitted", "useless"})
+    engine._stop_probing_closed(row)
+    assert row.probing == ["fitted", "useless", "none"]  # every drafter closed
+    closed.discard("fitted")
+    engine._stop_probing_closed(row)
+    assert row.probing == [] and row.arm == "fitted" and engine._shadow_arms(row) == []  # settled
+
+
 @pytest.mark.parametrize("closes_after", [6, 0])
 def test_requests_that_leave_a_closed_drafter_stay_exact(setup, closes_after):
     """Served end to end by a policy that closes the fitted drafter once requests have settled on
