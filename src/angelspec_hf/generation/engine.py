@@ -806,11 +806,10 @@ class SpeculativeEngine:
         the reference CPU MTP-TTT3's gate closes (its drafting does not pay there), yet every later
         request still drafted it beside its verified drafter: probe steps took 44 ms against 17 ms
         for DFly-Block8 alone with 4 rows, 0.7 s of a 30 s pass (`logs/s47/router_trace.py`)."""
-        drafters = [arm for arm in row.probing if arm != NO_DRAFTER]
-        if not any(self._arm_open(arm) for arm in drafters):
-            return
-        row.probing = [arm for arm in row.probing if arm == NO_DRAFTER or self._arm_open(arm)]
-        self._settle_if_probed(row)
+        kept = self._without_closed_drafters(row.probing)
+        if kept != row.probing:
+            row.probing = kept
+            self._settle_if_probed(row)
 
     def _settling_arms(self, row: _Row) -> list[str]:
         """The arms a request may settle on: those it probed, less the drafters the policy keeps
@@ -821,11 +820,14 @@ class SpeculativeEngine:
         it ahead by a hair, chat and code, ran at tau 1.07 for 76-119 rounds beside DFlash rows at
         2.0-2.5. With every drafter closed none is left out, so that a gate hovering near 1 does not
         send every request to "no drafter"."""
-        probed = sorted(row.arm_scores)
-        drafting = [arm for arm in probed if arm != NO_DRAFTER and self._arm_open(arm)]
-        if not drafting:
-            return probed
-        return [arm for arm in probed if arm == NO_DRAFTER or arm in drafting]
+        return self._without_closed_drafters(sorted(row.arm_scores))
+
+    def _without_closed_drafters(self, arms: list[str]) -> list[str]:
+        """``arms`` less the drafters the policy keeps closed, unless none of its drafters is open
+        (then all of them, in order)."""
+        if not any(arm != NO_DRAFTER and self._arm_open(arm) for arm in arms):
+            return arms
+        return [arm for arm in arms if arm == NO_DRAFTER or self._arm_open(arm)]
 
     def _draft(self, rows: list[_Row], active: list[bool]) -> list[list[int]]:
         """Every active row's draft, and the shadow drafts of probing rows: each drafter ingests the
