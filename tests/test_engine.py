@@ -621,6 +621,7 @@ def test_probes_are_scored_against_the_committed_text():
     engine = SpeculativeEngine.__new__(SpeculativeEngine)
     engine.arm_evidence, engine.probe_rounds, engine.drafters = {}, 1, {}
     engine.arm_record, engine.route_margin, engine.policy = {}, 0.25, None
+    engine._rows, engine.call_seconds, engine.step_seconds = [], {}, None
     row = _Row(0, [1, 2, 3, 7, 8, 9], 3, 10, probing=["a", "b", "c", "none"])
     row.probes = [
         _Probe("a", 3, [7, 8, 5], 0.01, 0.1),  # misses at its third token: 2 drafts + 1
@@ -659,6 +660,49 @@ def test_arms_competitive_for_no_request_are_not_probed(setup):
     engine.arm_record["useless"] = [1, 9]
     engine.arm_evidence["useless"] = [8, 0.8, 8]
     assert engine._arms_to_probe() == ["fitted", "useless", "none"]
+
+
+def test_a_request_joins_the_drafter_its_batch_drafts_with_unless_a_split_pays(setup):
+    """A drafter no other row of the batch drafts with adds its whole call to every step: a request
+    settles on it only if its rate beats the batch's drafter by ``1 + B * call / step`` (here 1 + 2
+    * 0.01 / 0.1 = 1.2), or if the pooled evidence puts it more than 10% ahead (so that a batch on a
+    worse drafter moves over). Alone in the batch, or when "no drafter" wins, the best rate settles."""
+    from angelspec_hf.generation.engine import _Row
+
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    close = {"fitted": (8, 0.1, 2), "useless": (7, 0.1, 2), "none": (2, 0.1, 2)}  # 80 against 70 tokens/s: 1.14x
+    engine._settle(row := _routed_row(engine, close))
+    assert row.arm == "fitted"  # nobody else in the batch
+    other = _Row(1, [1, 2, 3], 3, 10, arm="useless", generators={"useless": object()})
+    engine.call_seconds, engine.step_seconds = {"fitted": 0.01, "useless": 0.01}, 0.1
+    row = _routed_row(engine, close)
+    engine._rows = [other, row]
+    assert engine._split_threshold("fitted") == pytest.approx(1.2)
+    engine._settle(row)
+    assert row.arm == "useless"
+    row = _routed_row(engine, {**close, "fitted": (9, 0.1, 2)})  # 90 against 70: 1.29x pays
+    engine._rows = [other, row]
+    engine._settle(row)
+    assert row.arm == "fitted"
+    row = _routed_row(engine, {**close, "none": (10, 0.1, 2)})  # no drafter adds no call
+    engine._rows = [other, row]
+    engine._settle(row)
+    assert row.arm == "none"
+    engine.arm_evidence.update({"fitted": [120, 1.0, 40], "useless": [100, 1.0, 40]})  # pooled: 1.2x ahead
+    row = _routed_row(engine, close)
+    engine._rows = [other, row]
+    engine._settle(row)
+    assert row.arm == "fitted"
+    engine.arm_evidence["fitted"] = [105, 1.0, 40]  # 1.05x: not enough to split the batch for
+    row = _routed_row(engine, close)
+    engine._rows = [other, row]
+    engine._settle(row)
+    assert row.arm == "useless"
+    other.tokens += [4] * 10  # finished rows do not draft
+    row = _routed_row(engine, close)
+    engine._rows = [other, row]
+    engine._settle(row)
+    assert row.arm == "fitted"
 
 
 def test_a_request_does_not_settle_on_a_drafter_the_policy_keeps_closed(setup):
@@ -775,6 +819,8 @@ def test_later_requests_skip_the_arm_earlier_ones_found_useless(setup):
     _serve_five_checked(setup, engine, forward_seconds=0.05)
     first, last = (min(engine.stats, key=lambda e: e["index"]), max(engine.stats, key=lambda e: e["index"]))
     assert "useless" in first["probes"] and "useless" not in last["probes"], engine.stats
+    # What prices a drafter drafting for one row alone (`_split_threshold`) was measured on the way.
+    assert set(engine.call_seconds) == {"fitted", "useless"} and engine.step_seconds > 0
     tokens, seconds, rounds = engine.arm_evidence["fitted"]
     assert rounds > 4 * engine.probe_rounds and tokens / rounds > 1.5
 

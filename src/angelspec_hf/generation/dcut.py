@@ -228,7 +228,7 @@ class DraftGate:
         # the reference target, MTP-TTT3 on 3 chat prompts: drafting in 16 of 124 rounds, 0.97x plain
         # decoding; fixed length 1.07x; with this mean and expected gains 1.11x).
         self.rounds += 1
-        self.efficiency = _moving(self.efficiency, ratio, max(self.smoothing, 1 / self.rounds))
+        self.efficiency = moving_average(self.efficiency, ratio, max(self.smoothing, 1 / self.rounds))
         self.lost_steps = max(0.0, seconds / plain_seconds - tokens / plain_tokens)
         self.backoff = 1 if self.paying else min(2 * self.backoff, self.max_backoff)
 
@@ -273,7 +273,7 @@ class _PacedPolicy:
             return
         predicted = self.cost_model.verify_seconds(width, context, batch)
         if predicted > 0:
-            self.pace = _moving(self.pace, seconds / predicted, PACE_SMOOTHING)
+            self.pace = moving_average(self.pace, seconds / predicted, PACE_SMOOTHING)
 
     def in_profile_time(self, seconds: float) -> float:
         """Wall-clock seconds measured on this machine now, as the cost model's seconds."""
@@ -339,7 +339,7 @@ class DCutPolicy(_PacedPolicy):
             self.calibrator.update(confidence, position < accepted)
         drafted, self.drafted = max(self.drafted, len(confidences), 1), 0
         draft_seconds = self.in_profile_time(draft_seconds)
-        self.position_seconds = _moving(self.position_seconds, draft_seconds / drafted, self.smoothing)
+        self.position_seconds = moving_average(self.position_seconds, draft_seconds / drafted, self.smoothing)
         verify = self.verify(context)
         gained, self.expected_gain = self.expected_gain, None
         gained = accepted + 1 if gained is None else gained
@@ -355,7 +355,8 @@ def rate_over_plain(tokens: float, seconds: float, plain_tokens: float, plain_se
     return (tokens / seconds) / (plain_tokens / plain_seconds)
 
 
-def _moving(average: float | None, value: float, smoothing: float) -> float:
+def moving_average(average: float | None, value: float, smoothing: float) -> float:
+    """An exponential moving average; the first value starts it."""
     return value if average is None else (1 - smoothing) * average + smoothing * value
 
 
@@ -536,7 +537,7 @@ class BatchDCutPolicy(_PacedPolicy):
             share = rows[arm] / total_rows
             gate.drafting_rows = 0
             arm_seconds = self.in_profile_time(seconds[arm])
-            gate.row_draft_seconds = _moving(gate.row_draft_seconds, arm_seconds / rows[arm], self.smoothing)
+            gate.row_draft_seconds = moving_average(gate.row_draft_seconds, arm_seconds / rows[arm], self.smoothing)
             gained, gate.expected_gain = gate.expected_gain, None
             if gained is None:
                 mine = [accepted for (_, accepted), a in zip(kept, arms) if a == arm]

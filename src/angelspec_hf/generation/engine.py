@@ -55,7 +55,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from ..errors import AngelSpecError, UnsupportedCacheError
 from ..modeling_angelspec_common import sample_tokens
-from .dcut import FixedLengthPolicy
+from .dcut import FixedLengthPolicy, moving_average
 from .exact import ATTENTION_NAME
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,11 @@ class EngineRequestError(AngelSpecError, ValueError):
 NO_DRAFTER = "none"
 # Requests that must have probed an arm before it may be dropped from the arms later requests probe.
 PRUNE_AFTER_REQUESTS = 4
+# How much better than the batch's own drafter, by the pooled evidence of every request, a drafter
+# must be for a request to start drafting with it beside the others anyway (see `_batch_choice`).
+MIGRATE_MARGIN = 0.1
+# Weight of the newest measurement in the engine's moving averages of step and drafting-call times.
+TIMING_SMOOTHING = 0.2
 
 
 @dataclass
@@ -229,10 +234,12 @@ class SpeculativeEngine:
     request then settles on the arm with the best rate, its own probes weighed against the pooled
     evidence (a drafter the policy keeps closed only if every drafter is closed; a request whose
     drafter the policy closes, probing or settled, moves to an open one: ``switches`` in its
-    stats). An arm is competitive for a request when its own probes' rate is at least ``1 -
-    route_margin`` of the request's best arm's (``arm_record``: arm -> [competitive, probed]
-    requests); one competitive for none of at least `PRUNE_AFTER_REQUESTS` requests is not
-    probed by later ones.
+    stats), and on a drafter the batch's other rows draft with unless drafting another for it
+    alone pays for that drafter's extra call (`_batch_choice`; ``call_seconds`` and
+    ``step_seconds`` hold the timings it reads). An arm is competitive for a request when its own
+    probes' rate is at least ``1 - route_margin`` of the request's best arm's (``arm_record``: arm
+    -> [competitive, probed] requests); one competitive for none of at least
+    `PRUNE_AFTER_REQUESTS` requests is not probed by later ones.
     """
 
     def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2, policy=None,
@@ -255,6 +262,10 @@ class SpeculativeEngine:
         self.arm_evidence: dict[str, list] = {}  # arm -> [tokens, seconds, rounds] over every scored probe
         # arm -> [requests whose probes found it competitive, requests that probed it], for `_arms_to_probe`
         self.arm_record: dict[str, list[int]] = {}
+        # Moving averages of a drafting call's seconds per drafter and of a whole step's, which price
+        # a drafter that would draft for one row alone (`_split_threshold`).
+        self.call_seconds: dict[str, float] = {}
+        self.step_seconds: float | None = None
         # A batch policy (`BatchDCutPolicy`) sizes each step's verify window across requests and
         # may skip drafting; without one every row's draft is verified whole.
         self.policy = policy
@@ -307,7 +318,9 @@ class SpeculativeEngine:
             self._cache, self._valid = self._join(self._rows, self._cache, self._valid, joining)
             self._rows += joining
         rows = self._rows
+        start = time.perf_counter()
         self._cache, self._valid = self._step(rows, self._cache, self._valid, queued=bool(self._waiting))
+        self.step_seconds = moving_average(self.step_seconds, time.perf_counter() - start, TIMING_SMOOTHING)
         events = []
         finished = [i for i, row in enumerate(rows) if self._finished(row) and self._flushed(row)]
         for i, row in enumerate(rows):
@@ -751,11 +764,56 @@ class SpeculativeEngine:
         # text, and a code request once settled on MTP, never probed, on chat requests' evidence.
         if row.arm_scores:
             self._record_competition(row)
-            row.arm = max(self._settling_arms(row), key=lambda arm: self._blended_rate(row, arm))
+            row.arm = self._batch_choice(row, {arm: self._blended_rate(row, arm) for arm in self._settling_arms(row)})
         row.probing = []
         # The probed drafters stay, idle, for `_leave_closed_drafter`, where the policy can close one.
         keep = {row.arm} | (set(row.arm_scores) if row.arm != NO_DRAFTER and self._policy_gates_arms else set())
         self._keep_generators(row, keep)
+
+    def _batch_choice(self, row: _Row, rates: dict[str, float]) -> str:
+        """The arm with the best rate, unless it is a drafter none of the batch's other rows drafts
+        with, while they draft with one the request also probed: then that one (the best of them),
+        unless the split pays (`_split_threshold`) or the pooled evidence of every request puts the
+        new drafter more than `MIGRATE_MARGIN` ahead of it (so that a batch on a worse drafter
+        moves over as its requests turn over, instead of holding every newcomer).
+
+        Why: a drafting call costs about the same for one row as for four, so a drafter serving one
+        row adds its whole call to every step of the batch. At concurrency 4 on the reference CPU
+        (the main job's 16 requests) requests settled on DFlash-Block8 and DFly-Block8 by a few
+        percent either way; the batch then drafted with both in most steps (350 drafting calls
+        against 206 for DFlash alone, 1-3 rows each), 6.2 s of drafting a pass against 3.2 s,
+        which was the router's whole gap to DFlash + D-cut (38.1 s against 35.0 s, the same
+        number of steps; `logs/s48/router_trace.py`)."""
+        best = max(rates, key=lambda arm: rates[arm])
+        in_use = self._arms_in_use(row)
+        shared = [arm for arm in rates if arm in in_use]
+        if best == NO_DRAFTER or best in shared or not shared:
+            return best
+        partner = max(shared, key=lambda arm: rates[arm])
+        pooled_best, pooled_partner = self._pooled_rate(best), self._pooled_rate(partner)
+        if pooled_best is not None and pooled_partner is not None and pooled_best > (1 + MIGRATE_MARGIN) * pooled_partner:
+            return best
+        return best if rates[best] > self._split_threshold(best) * rates[partner] else partner
+
+    def _arms_in_use(self, row: _Row) -> set[str]:
+        """The drafters the batch's other active rows are verified with."""
+        return {other.arm for other in self._rows
+                if other is not row and other.generator is not None and not self._finished(other)}
+
+    def _split_threshold(self, arm: str) -> float:
+        """How many times a request's rate on the batch's drafter its rate on ``arm`` must be for
+        drafting ``arm`` for it alone to pay: ``1 + B * call / step`` for a batch of B rows, ``call``
+        seconds for a drafting call of ``arm`` and ``step`` seconds a step (moving averages).
+
+        Why that: with the other rows gaining about as many tokens a step as this one would on the
+        shared drafter (t), the batch gains ``(B - 1) t + rate ratio * t`` tokens in ``step + call``
+        seconds against ``B t`` in ``step``; the first is larger exactly when the ratio exceeds the
+        threshold. Before any step or call of ``arm`` was timed: 1."""
+        call = self.call_seconds.get(arm)
+        if call is None or not self.step_seconds:
+            return 1.0
+        batch = sum(not self._finished(other) for other in self._rows)
+        return 1.0 + max(batch, 1) * call / self.step_seconds
 
     @property
     def _policy_gates_arms(self) -> bool:
@@ -851,12 +909,14 @@ class SpeculativeEngine:
             start = time.perf_counter()
             pending = [self._take_pending(rows[i], arm) for i, _ in members]
             type(generators[0]).observe_many(generators, ids, [outputs for outputs, _ in pending])
-            share = (time.perf_counter() - start) / len(members)
+            observed = time.perf_counter()
+            share = (observed - start) / len(members)
             # A catch-up on states missed while other arms or no drafting ran is paid once, not per round.
             seconds = [share * latest_share for _, latest_share in pending]
-            start = time.perf_counter()
             proposals = type(generators[0]).propose_many(generators, ids)
-            share = (time.perf_counter() - start) / len(members)
+            end = time.perf_counter()
+            share = (end - observed) / len(members)
+            self.call_seconds[arm] = moving_average(self.call_seconds.get(arm), end - start, TIMING_SMOOTHING)
             for (i, verified), row_ids, (candidates, logits), caught_up in zip(members, ids, proposals, seconds):
                 row, draft = rows[i], candidates[0, row_ids.shape[1]:].tolist()
                 if verified:
