@@ -207,15 +207,15 @@ def test_repeated_engine_runs_report_median_drafting_steps_and_every_chosen_draf
     assert plain["drafting_steps"] is None and plain["drafters_chosen"] is None
 
 
-@pytest.mark.parametrize("bf16_ms,expected", [(120.0, "float32"), (80.0, "bfloat16"), (94.0, "bfloat16"),
-                                              (96.0, "float32"), (100.0, "float32")])
+@pytest.mark.parametrize("bf16_ms,expected", [([120.0] * 3, "float32"), ([80.0] * 3, "bfloat16"),
+                                              ([94.0] * 3, "bfloat16"), ([96.0] * 3, "float32"),
+                                              ([100.0] * 3, "float32"), ([60.0, 99.0, 98.0], "float32"),
+                                              ([90.0, 90.0, 300.0], "bfloat16")])
 def test_bench_picks_the_dtype_this_hardware_verifies_faster(targets, monkeypatch, bf16_ms, expected):
-    """`bench --dtype auto` reads both dtypes' batch-1 cost profiles (bfloat16 with exact kernels,
-    float32 with packed linears where oneDNN has them) and verifies in the faster one: on an
-    AVX2-only CPU bfloat16 verification took 2.3x float32's. bfloat16 must be faster by 5%, what
-    its exact kernels cost plain decoding."""
-    from types import SimpleNamespace
-
+    """`bench --dtype auto` times both dtypes turn by turn (bfloat16 with exact kernels, float32 with
+    packed linears where oneDNN has them) and verifies in the faster one: on an AVX2-only CPU
+    bfloat16 verification took 2.3x float32's. bfloat16 must be faster by 5%, what its exact kernels
+    cost plain decoding, in the median round: one lucky or slow round does not decide."""
     from angelspec_hf import cli, generation
     from angelspec_hf.generation.exact import is_verification_exact
     from angelspec_hf.generation.packed import is_packed, packing_available
@@ -223,19 +223,42 @@ def test_bench_picks_the_dtype_this_hardware_verifies_faster(targets, monkeypatc
     def load(name, dtype="float32"):
         return copy.deepcopy(targets.target("llama")).to(getattr(torch, dtype))
 
-    profiled = []
+    timed = []
 
-    def profile(target, name, batch_sizes):
-        profiled.append((target.dtype, is_verification_exact(target), is_packed(target), batch_sizes))
-        ms = 100.0 if target.dtype == torch.float32 else bf16_ms
-        return SimpleNamespace(verify_seconds=lambda tokens, context: ms / 1000 if (tokens, context) == (9, 256) else None)
+    def interleaved(models, new_tokens, context, rounds):
+        timed.append({name: (m.dtype, is_verification_exact(m), is_packed(m)) for name, m in models.items()})
+        assert (new_tokens, context) == (9, 256)
+        return {"float32": [0.1] * len(bf16_ms), "bfloat16": [ms / 1000 for ms in bf16_ms]}
 
     monkeypatch.setattr(cli, "load_target_model", load)
-    monkeypatch.setattr(generation, "load_or_profile", profile)
-    dtype, verify_ms = cli.faster_verification_dtype("tiny", "tiny", threads=1)
-    assert dtype == expected and verify_ms == pytest.approx({"float32": 100.0, "bfloat16": bf16_ms})
-    assert profiled == [(torch.float32, False, packing_available(), (1,)), (torch.bfloat16, True, False, (1,))]
+    monkeypatch.setattr(generation, "interleaved_verify_seconds", interleaved)
+    dtype, verify_ms = cli.faster_verification_dtype("tiny", threads=1)
+    assert dtype == expected
+    assert verify_ms == pytest.approx({"float32": 100.0, "bfloat16": sorted(bf16_ms)[1]})
+    assert timed == [{"float32": (torch.float32, False, packing_available()), "bfloat16": (torch.bfloat16, True, False)}]
     assert cli.build_parser().parse_args(["bench"]).dtype == "auto"
+
+
+def test_interleaved_verify_seconds_times_the_targets_turn_by_turn(targets):
+    """Each round times every target once, the order reversed each round, so that a slow spell on
+    the host lands on both dtypes rather than on whichever was measured during it; each timing is a
+    forward of the asked new tokens over a cache of the asked context, left as it was found."""
+    from angelspec_hf.generation import interleaved_verify_seconds
+
+    models = {"a": copy.deepcopy(targets.target("llama")), "b": copy.deepcopy(targets.target("llama"))}
+    calls = []
+    for name, model in models.items():
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs, name=name: calls.append(
+                (name, kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1],
+                 kwargs["past_key_values"].get_seq_length())), with_kwargs=True)
+    seconds = interleaved_verify_seconds(models, new_tokens=3, context=20, rounds=4)
+    assert {name: len(times) for name, times in seconds.items()} == {"a": 4, "b": 4}
+    assert all(t > 0 for times in seconds.values() for t in times)
+    # Per target: a prefill of the context and a warm-up, then the timed rounds a b, b a, a b, b a.
+    assert calls[:4] == [("a", 20, 0), ("a", 3, 20), ("b", 20, 0), ("b", 3, 20)]
+    assert [name for name, *_ in calls[4:]] == list("abbaabba")
+    assert all(shape == [3, 20] for _, *shape in calls[4:])
 
 
 def test_bench_installs_the_verification_kernels_of_the_target_dtype(targets):

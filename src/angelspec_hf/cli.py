@@ -12,6 +12,7 @@ import argparse
 import copy
 import json
 import logging
+import statistics
 import sys
 from pathlib import Path
 
@@ -57,14 +58,18 @@ def install_verification_kernels(target: PreTrainedModel, stock: bool = False) -
     return kernels
 
 
-def faster_verification_dtype(target_name: str, display_name: str, threads: int,
-                              stock: bool = False) -> tuple[str, dict[str, float]]:
+def faster_verification_dtype(target_name: str, threads: int, stock: bool = False,
+                              rounds: int = 12) -> tuple[str, dict[str, float]]:
     """The dtype this hardware verifies drafts faster in (bfloat16 only by more than
-    `BFLOAT16_MARGIN`), and the milliseconds
-    each takes to verify a draft of 8 at context 256 (batch 1, ``threads`` threads, with our
-    verification kernels unless ``stock``: exact ones in bfloat16, packed linears in float32), read
-    from the saved cost profiles (measured first where missing). Verification is what speculative
-    decoding spends its time on.
+    `BFLOAT16_MARGIN`), and the median milliseconds each took to verify a draft of 8 at context 256
+    (batch 1, ``threads`` threads, with our verification kernels unless ``stock``: exact ones in
+    bfloat16, packed linears in float32). Verification is what speculative decoding spends its time on.
+
+    The two are timed turn by turn (`interleaved_verify_seconds`, ``rounds`` each) and bfloat16 is
+    chosen on the median of the rounds' bfloat16 / float32 ratios. Read from two cost profiles
+    measured a minute apart, the choice once followed a slow spell on the host instead: float32 at
+    130 ms against bfloat16's 78.5 (session 48; 67.8 against 67.3 in a quiet hour), and batch 1 ran
+    the slower dtype.
 
     Neither dtype is faster everywhere: bfloat16 verified 8 drafts at 1.14x a plain step on a CPU with
     bfloat16 units (avx512_bf16), while on one with AVX2 only (emulated bfloat16) a 9-token bfloat16
@@ -79,16 +84,17 @@ def faster_verification_dtype(target_name: str, display_name: str, threads: int,
     float32 run of the night before (MTP + D-cut on chat 1.34x against 1.54x, DFly + D-cut on math
     1.61x against 2.02x).
     """
-    from .generation import load_or_profile
+    from .generation import interleaved_verify_seconds
 
     torch.set_num_threads(threads)
-    verify_ms = {}
+    targets = {}
     for dtype in DTYPES:
-        target = load_target_model(target_name, dtype)
-        install_verification_kernels(target, stock)
-        verify_ms[dtype] = 1000 * load_or_profile(target, display_name, batch_sizes=(1,)).verify_seconds(9, 256)
-    bfloat16_pays = verify_ms["bfloat16"] < (1.0 - BFLOAT16_MARGIN) * verify_ms["float32"]
-    return ("bfloat16" if bfloat16_pays else "float32"), verify_ms
+        targets[dtype] = load_target_model(target_name, dtype)
+        install_verification_kernels(targets[dtype], stock)
+    seconds = interleaved_verify_seconds(targets, new_tokens=9, context=256, rounds=rounds)
+    ratio = statistics.median([b / f for b, f in zip(seconds["bfloat16"], seconds["float32"])])
+    verify_ms = {dtype: 1000 * statistics.median(times) for dtype, times in seconds.items()}
+    return ("bfloat16" if ratio < 1.0 - BFLOAT16_MARGIN else "float32"), verify_ms
 
 
 def drafter_dtype(target: PreTrainedModel, choice: str = "auto") -> torch.dtype:
@@ -159,8 +165,8 @@ def run_bench(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     verify_ms = {}
     if args.dtype == "auto":
-        args.dtype, verify_ms = faster_verification_dtype(args.target, name, threads, stock=args.stock_kernels)
-        print(f"batch-1 dtype: {args.dtype} (a draft of 8 verified at context 256 in "
+        args.dtype, verify_ms = faster_verification_dtype(args.target, threads, stock=args.stock_kernels)
+        print(f"batch-1 dtype: {args.dtype} (a draft of 8 verified at context 256, median of turn-by-turn timings: "
               + ", ".join(f"{ms:.1f} ms in {dtype}" for dtype, ms in verify_ms.items()) + " on this hardware)")
     target, tokenizer = load_target(args.target, args.dtype)
     # A copy for plain decoding with the stock kernels, only where ours are installed.
@@ -571,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "bfloat16 target fastest here, its kernels being many small operations")
     bench.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                        help="batch-1 target (and drafter) dtype; auto: the one this hardware verifies a draft faster in, "
-                            "from the cost profiles (bfloat16 on CPUs with bfloat16 units and on GPUs, float32 on "
+                            "timed turn by turn, 12 rounds (bfloat16 on CPUs with bfloat16 units and on GPUs, float32 on "
                             "AVX2-only CPUs, where bfloat16 verification took 2.3x as long). Other than float32 it runs with "
                             "exact verification (generation/exact.py), float32 on a CPU with packed linears "
                             "(generation/packed.py); plain decoding with the stock kernels (and in float32) is measured "

@@ -166,6 +166,27 @@ def _timed(function, repeats: int) -> list[float]:
     return times
 
 
+def _prefilled_cache(target, batch: int, context: int) -> DynamicCache:
+    """A cache holding ``context`` random tokens in each of ``batch`` rows."""
+    cache = DynamicCache(config=target.config)
+    vocab = target.config.get_text_config().vocab_size
+    target(torch.randint(0, vocab, (batch, context), device=target.device), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def _verify_forward(target, cache: DynamicCache, batch: int, count: int):
+    """A forward of ``count`` new tokens a row over ``cache``, which it leaves as it found it: what
+    verifying a draft of ``count - 1`` costs."""
+    vocab = target.config.get_text_config().vocab_size
+    new = torch.randint(0, vocab, (batch, count), device=target.device)
+
+    def step():
+        target(new, past_key_values=cache, use_cache=True)
+        cache.crop(-count)
+
+    return step
+
+
 @torch.no_grad()
 def profile_target(target, name: str, tokens=(1, 2, 4, 8, 16), contexts=(64, 256, 768),
                    batch_sizes=ENGINE_BATCH_SIZES, repeats: int = 2, sweeps: int = 3) -> CostModel:
@@ -177,25 +198,40 @@ def profile_target(target, name: str, tokens=(1, 2, 4, 8, 16), contexts=(64, 256
     tokens at 155 ms where generate's verification forwards took 107 ms) and, made monotone in
     context, every longer context with it.
     """
-    vocab = target.config.get_text_config().vocab_size
-    device = target.device
     samples = [[[[] for _ in contexts] for _ in tokens] for _ in batch_sizes]
     points = len(batch_sizes) * len(tokens) * len(contexts)
     with tqdm(total=sweeps * points, desc="profiling target", unit="point") as bar:
         for _ in range(sweeps):
             for b, batch in enumerate(batch_sizes):
                 for j, context in enumerate(contexts):
-                    cache = DynamicCache(config=target.config)
-                    target(torch.randint(0, vocab, (batch, context), device=device), past_key_values=cache, use_cache=True)
+                    cache = _prefilled_cache(target, batch, context)
                     for i, count in enumerate(tokens):
-                        new = torch.randint(0, vocab, (batch, count), device=device)
-
-                        def step():
-                            target(new, past_key_values=cache, use_cache=True)
-                            cache.crop(-count)
-
-                        samples[b][i][j] += _timed(step, repeats)
+                        samples[b][i][j] += _timed(_verify_forward(target, cache, batch, count), repeats)
                         bar.update(1)
     grid = [[[statistics.median(point) for point in row] for row in table] for table in samples]
     return CostModel(target=name, hardware=hardware_id(), tokens=list(tokens), contexts=list(contexts), seconds=grid,
                      batch_sizes=list(batch_sizes), profile_format=PROFILE_FORMAT)
+
+
+@torch.no_grad()
+def interleaved_verify_seconds(targets: dict, new_tokens: int = 9, context: int = 256,
+                               rounds: int = 12) -> dict[str, list[float]]:
+    """Batch-1 forwards of ``new_tokens`` at ``context`` timed in turn on each of ``targets``
+    (name -> model), the order reversed every round; ``rounds`` timings per name.
+
+    For comparing targets (one model in two dtypes), not for pricing: timed one after the other, two
+    profiles of the same target a minute apart compared a slow spell on the host, not the dtypes
+    (float32 verification at 130 ms against 78.5 in bfloat16, session 48, where a quiet hour read
+    67.8 against 67.3). Turn by turn, a spell lands on both.
+    """
+    steps = {}
+    for name, target in targets.items():
+        steps[name] = _verify_forward(target, _prefilled_cache(target, 1, context), 1, new_tokens)
+        steps[name]()  # warm-up
+    seconds: dict[str, list[float]] = {name: [] for name in targets}
+    for round_ in range(rounds):
+        for name in (list(steps) if round_ % 2 == 0 else list(reversed(steps))):
+            start = time.perf_counter()
+            steps[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
