@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+import platform
 
 import pytest
 import torch
@@ -70,6 +71,37 @@ def test_cost_model_is_monotone_in_context_interpolates_and_round_trips(tmp_path
     with caplog.at_level(logging.WARNING):
         loaded = CostModel.load(model.save(tmp_path / "profile.json"))
     assert loaded.seconds == model.seconds and "re-run `angelspec-hf profile`" in caplog.text
+
+
+def test_profiles_are_keyed_by_the_cpu_model(tmp_path, monkeypatch, caplog):
+    """Linux leaves `platform.processor()` empty, so the CPU's model name comes from /proc/cpuinfo:
+    a profile measured on another CPU model is found under another name and warns if loaded."""
+    from angelspec_hf.generation import cost_model
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC  9454 48-Core Processor\n")
+    monkeypatch.setattr(cost_model, "CPUINFO", cpuinfo)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cost_model.cpu_model.cache_clear()
+    try:
+        assert cost_model.cpu_model() == "AMD EPYC 9454 48-Core Processor"
+        here = cost_model.hardware_id()
+        assert "AMD EPYC 9454" in here and "threads=" in here
+        monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path / "home"))
+        path = cost_model.profile_path("tiny")
+        CostModel(target="tiny", hardware=here, tokens=[1, 2], contexts=[0, 8],
+                  seconds=[[1.0, 1.0], [1.5, 1.5]]).save(path)
+        cpuinfo.write_text("model name\t: Intel(R) Xeon(R) Platinum 8480+\n")
+        cost_model.cpu_model.cache_clear()
+        assert cost_model.profile_path("tiny") != path
+        with caplog.at_level(logging.WARNING):
+            CostModel.load(path)
+        assert "Intel(R) Xeon(R) Platinum 8480+" in caplog.text and "re-run `angelspec-hf profile`" in caplog.text
+        cpuinfo.unlink()
+        cost_model.cpu_model.cache_clear()
+        assert cost_model.cpu_model() == (platform.processor() or "unknown")
+    finally:
+        cost_model.cpu_model.cache_clear()
 
 
 def test_profile_target_measures_the_grid(targets):

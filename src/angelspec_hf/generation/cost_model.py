@@ -10,6 +10,7 @@ keyed by target and hardware; loading a profile made on other hardware warns.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import platform
@@ -28,10 +29,31 @@ logger = logging.getLogger(__name__)
 PROFILE_FORMAT = 3  # what `profile_target` writes; `load_or_profile` re-measures older saved profiles
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name: ``/proc/cpuinfo``'s where there is one, else `platform.processor()`.
+
+    Why not `platform.processor()` alone: on Linux it is usually empty, so every x86-64 Linux
+    machine with the same thread count had one `hardware_id`, and a profile carried to another CPU
+    (a home directory shared between machines, a copied cache) loaded without the warning."""
+    try:
+        for line in CPUINFO.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def hardware_id() -> str:
+    """What a cost profile was measured on: the GPU's name, or the CPU's model and thread count."""
     if torch.cuda.is_available():
         return f"cuda:{torch.cuda.get_device_name()}"
-    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}:threads={torch.get_num_threads()}"
+    return f"cpu:{platform.machine()}:{cpu_model()}:threads={torch.get_num_threads()}"
 
 
 @dataclass
