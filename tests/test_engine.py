@@ -662,6 +662,18 @@ def test_arms_competitive_for_no_request_are_not_probed(setup):
     assert engine._arms_to_probe() == ["fitted", "useless", "none"]
 
 
+def test_a_drafting_call_is_priced_without_its_catch_up():
+    """The split threshold prices a drafter's call on every later step, so a call that also read
+    joining prompts counts only the latest states' share of its ingesting, plus its proposing."""
+    from angelspec_hf.generation.engine import steady_call_seconds
+
+    # Four rows: one read only its prompt (share 0), three only the latest forward's states (share 1).
+    assert steady_call_seconds(0.008, 0.010, [0.0, 1.0, 1.0, 1.0]) == pytest.approx(0.010 + 0.006)
+    assert steady_call_seconds(0.004, 0.010, [1.0, 1.0]) == pytest.approx(0.014)  # caught up: all of it
+    assert steady_call_seconds(0.020, 0.005, [0.25]) == pytest.approx(0.010)  # 3/4 of its states were missed ones
+    assert steady_call_seconds(0.003, 0.005, []) == pytest.approx(0.008)
+
+
 def test_a_request_joins_the_drafter_its_batch_drafts_with_unless_a_split_pays(setup):
     """A drafter no other row of the batch drafts with adds its whole call to every step: a request
     settles on it only if its rate beats the batch's drafter by ``1 + B * call / step`` (here 1 + 2

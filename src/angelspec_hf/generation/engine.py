@@ -122,6 +122,18 @@ MIGRATE_MARGIN = 0.1
 TIMING_SMOOTHING = 0.2
 
 
+def steady_call_seconds(observe_seconds: float, propose_seconds: float, latest_shares: list[float]) -> float:
+    """What a drafting call costs a step once its rows are caught up: the proposing, plus the share
+    of the ingesting that was the latest verify forward's states (``latest_shares``, one per row;
+    the rest was catch-up, a joining request's prompt included, paid once per request).
+
+    Why: `_split_threshold` prices a drafter's call on every later step of the batch, and a call that
+    also read a new request's prompt is not what those steps will cost."""
+    if not latest_shares:
+        return observe_seconds + propose_seconds
+    return observe_seconds * sum(latest_shares) / len(latest_shares) + propose_seconds
+
+
 @dataclass
 class _Probe:
     """One arm's draft in a routed request's probe round, scored once the request has committed
@@ -803,7 +815,8 @@ class SpeculativeEngine:
     def _split_threshold(self, arm: str) -> float:
         """How many times a request's rate on the batch's drafter its rate on ``arm`` must be for
         drafting ``arm`` for it alone to pay: ``1 + B * call / step`` for a batch of B rows, ``call``
-        seconds for a drafting call of ``arm`` and ``step`` seconds a step (moving averages).
+        seconds for a drafting call of ``arm`` less catch-up (`steady_call_seconds`) and ``step``
+        seconds a step (moving averages).
 
         Why that: with the other rows gaining about as many tokens a step as this one would on the
         shared drafter (t), the batch gains ``(B - 1) t + rate ratio * t`` tokens in ``step + call``
@@ -916,7 +929,8 @@ class SpeculativeEngine:
             proposals = type(generators[0]).propose_many(generators, ids)
             end = time.perf_counter()
             share = (end - observed) / len(members)
-            self.call_seconds[arm] = moving_average(self.call_seconds.get(arm), end - start, TIMING_SMOOTHING)
+            steady = steady_call_seconds(observed - start, end - observed, [latest for _, latest in pending])
+            self.call_seconds[arm] = moving_average(self.call_seconds.get(arm), steady, TIMING_SMOOTHING)
             for (i, verified), row_ids, (candidates, logits), caught_up in zip(members, ids, proposals, seconds):
                 row, draft = rows[i], candidates[0, row_ids.shape[1]:].tolist()
                 if verified:
