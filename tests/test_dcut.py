@@ -110,6 +110,17 @@ def test_profile_target_measures_the_grid(targets):
     assert all(len(grid) == 2 and all(len(row) == 2 and all(v > 0 for v in row) for row in grid) for grid in model.seconds)
 
 
+def test_profile_timings_wait_for_the_device(targets, monkeypatch):
+    """Each timed forward of a profile ends once the device has run it (a GPU runs kernels
+    asynchronously): one wait per forward, warm-ups included, none for the prefills."""
+    from angelspec_hf.generation import cost_model
+
+    waits = []
+    monkeypatch.setattr(cost_model, "wait_for_device", lambda device: waits.append(device))
+    profile_target(targets.target("llama"), "tiny", tokens=(1, 2), contexts=(4,), batch_sizes=(1,), repeats=1, sweeps=1)
+    assert waits == [torch.device("cpu")] * 4  # 2 points x (warm-up + 1 repeat)
+
+
 def test_profile_target_survives_a_slow_spell(targets, monkeypatch):
     """A slow spell of the machine that covers one point's consecutive forwards must not price that
     point high: each point's timings come from separate sweeps over the grid (on a fake clock,

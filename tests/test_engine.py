@@ -662,6 +662,32 @@ def test_arms_competitive_for_no_request_are_not_probed(setup):
     assert engine._arms_to_probe() == ["fitted", "useless", "none"]
 
 
+def test_timings_wait_for_the_device(setup, monkeypatch):
+    """A GPU runs kernels asynchronously, so every timing the policy and the router read (verify
+    forward, ingesting, proposing) ends only once the device has run the work; a CPU waits for
+    nothing. The engine waits on its target's device at each of those boundaries."""
+    from angelspec_hf import modeling_angelspec_common as common
+    from angelspec_hf.generation import engine as engine_module
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    common.wait_for_device(torch.device("cpu"))
+    common.wait_for_device(torch.device("cuda", 1))
+    assert synced == [torch.device("cuda", 1)]
+    target, drafters, prompts = setup
+    waits = []
+    monkeypatch.setattr(engine_module, "wait_for_device", lambda device: waits.append(device))
+    engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=2)
+    forwards = []
+    hook = target.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        engine.generate(prompts[:2], max_new_tokens=8)
+    finally:
+        hook.remove()
+    # Per step: after the verify forward, and around a drafting call (ingest, propose) when it drafts.
+    assert set(waits) == {target.device} and len(waits) >= len(forwards) - 1
+
+
 def test_a_drafting_call_is_priced_without_its_catch_up():
     """The split threshold prices a drafter's call on every later step, so a call that also read
     joining prompts counts only the latest states' share of its ingesting, plus its proposing."""

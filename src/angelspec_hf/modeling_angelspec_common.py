@@ -487,6 +487,16 @@ def target_mismatches(config: AngelSpecDrafterConfig, target: PreTrainedModel) -
 
 # --------------------------------------------------------------------------- statistics
 
+def wait_for_device(device: torch.device) -> None:
+    """Wait for the work queued on ``device``, so that a wall-clock timing ends when it has run.
+
+    Why: CUDA kernels run asynchronously, so a timer stopped right after a forward times its launch;
+    D-cut and the router weigh drafting time against verification time (and both against the cost
+    profile), and each must be the work itself. A CPU runs in order: nothing to wait for."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 
 @dataclass
 class SpeculationStats:
@@ -725,6 +735,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         start = time.perf_counter()
         with torch.no_grad():
             tokens, logits = self.draft(input_ids, budget)
+        wait_for_device(tokens.device)
         return self._finish_round(input_ids, tokens, logits, time.perf_counter() - start)
 
     @classmethod
@@ -747,6 +758,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         with torch.no_grad():
             drafts = cls.draft_many([generators[i] for i in drafting], [input_ids[i] for i in drafting],
                                     [budgets[i] for i in drafting])
+        wait_for_device(input_ids[drafting[0]].device)
         seconds = (time.perf_counter() - start) / len(drafting)
         for i, (tokens, logits) in zip(drafting, drafts):
             results[i] = generators[i]._finish_round(input_ids[i], tokens, logits, seconds)

@@ -23,6 +23,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from ..modeling_angelspec_common import wait_for_device
+
 logger = logging.getLogger(__name__)
 
 
@@ -198,12 +200,13 @@ def _prefilled_cache(target, batch: int, context: int) -> DynamicCache:
 
 def _verify_forward(target, cache: DynamicCache, batch: int, count: int):
     """A forward of ``count`` new tokens a row over ``cache``, which it leaves as it found it: what
-    verifying a draft of ``count - 1`` costs."""
+    verifying a draft of ``count - 1`` costs, run to its end (`wait_for_device`)."""
     vocab = target.config.get_text_config().vocab_size
     new = torch.randint(0, vocab, (batch, count), device=target.device)
 
     def step():
         target(new, past_key_values=cache, use_cache=True)
+        wait_for_device(target.device)
         cache.crop(-count)
 
     return step

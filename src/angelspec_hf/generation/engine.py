@@ -54,7 +54,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import AngelSpecError, UnsupportedCacheError
-from ..modeling_angelspec_common import sample_tokens
+from ..modeling_angelspec_common import sample_tokens, wait_for_device
 from .dcut import FixedLengthPolicy, moving_average
 from .exact import ATTENTION_NAME
 
@@ -922,11 +922,13 @@ class SpeculativeEngine:
             start = time.perf_counter()
             pending = [self._take_pending(rows[i], arm) for i, _ in members]
             type(generators[0]).observe_many(generators, ids, [outputs for outputs, _ in pending])
+            wait_for_device(self.target.device)
             observed = time.perf_counter()
             share = (observed - start) / len(members)
             # A catch-up on states missed while other arms or no drafting ran is paid once, not per round.
             seconds = [share * latest_share for _, latest_share in pending]
             proposals = type(generators[0]).propose_many(generators, ids)
+            wait_for_device(self.target.device)
             end = time.perf_counter()
             share = (end - observed) / len(members)
             steady = steady_call_seconds(observed - start, end - observed, [latest for _, latest in pending])
@@ -993,6 +995,7 @@ class SpeculativeEngine:
             positions[i] = len(row.tokens) - 1 + torch.arange(width, device=device)
         start = time.perf_counter()
         out = self._forward(ids, valid, window_valid, positions, cache)
+        wait_for_device(device)
         forward_seconds = time.perf_counter() - start
         verify_share = forward_seconds / max(sum(active), 1)
         if hasattr(policy, "record_forward"):
