@@ -375,6 +375,12 @@ def test_batch_gate_reopens_when_the_batch_shrinks_enough_for_drafting_to_pay():
     assert policy.gate_for().skipped == 0
     # The queue state changed the objective: no repricing, the timed retry decides.
     assert not policy.should_draft(1, 10, True)
+    # Routing asks the same of a drafter no row uses (whose gate sees no `should_draft`): closed
+    # at 16 rows, open where the batch shrank enough, never repriced under the other objective.
+    assert not policy.is_open() and not policy.is_open(batch=16, context=10, queued=False)
+    assert policy.is_open(batch=1, context=10, queued=False)
+    assert not policy.is_open(batch=1, context=10, queued=True)
+    assert policy.is_open("never measured", batch=16, context=10, queued=False)
 
 
 def test_batch_dcut_calibrates_each_drafter_on_its_own():

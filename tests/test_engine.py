@@ -688,6 +688,37 @@ def test_timings_wait_for_the_device(setup, monkeypatch):
     assert set(waits) == {target.device} and len(waits) >= len(forwards) - 1
 
 
+def test_routing_reprices_a_closed_drafter_at_the_steps_conditions(setup):
+    """A drafter closed under load and used by no row is never asked `should_draft`, so routing asks
+    the policy with the step's batch, context and queue state (`BatchDCutPolicy.is_open`), which
+    reopens it where the batch has shrunk enough; a policy whose `is_open` takes only the arm is
+    asked as before."""
+    from angelspec_hf.generation import BatchDCutPolicy, CostModel
+
+    class OnlyArm:
+        def __init__(self):
+            self.asked = []
+
+        def is_open(self, arm):
+            self.asked.append(arm)
+            return False
+
+    cost = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 100], batch_sizes=[1, 16],
+                     seconds=[[[1.0, 1.0], [1.2, 1.2]], [[2.0, 2.0], [16.0, 16.0]]])
+    policy = BatchDCutPolicy(cost, probe_budget=None, track_pace=False)
+    policy.observe([([0.9] * 7, 3)] * 16, batch=16, width=8, context=10, draft_seconds=1.6, queued=False,
+                   arms=["fitted"] * 16)
+    engine = _fitted_against_useless(setup, max_batch_size=4, policy=policy)
+    assert not engine._arm_open("fitted")  # outside a step: the gate as it stands
+    engine._conditions = {"batch": 16, "context": 10, "queued": False}
+    assert not engine._arm_open("fitted")
+    engine._conditions = {"batch": 1, "context": 10, "queued": False}
+    assert engine._arm_open("fitted") and engine._arm_open("useless")
+    plain = _fitted_against_useless(setup, max_batch_size=4, policy=OnlyArm())
+    plain._conditions = {"batch": 1, "context": 10, "queued": False}
+    assert not plain._arm_open("fitted") and plain.policy.asked == ["fitted"]
+
+
 def test_a_drafting_call_is_priced_without_its_catch_up():
     """The split threshold prices a drafter's call on every later step, so a call that also read
     joining prompts counts only the latest states' share of its ingesting, plus its proposing."""

@@ -411,11 +411,28 @@ class BatchDCutPolicy(_PacedPolicy):
             gate = self.gates[arm] = self._new_gate()
         return gate
 
-    def is_open(self, arm: str | None = None) -> bool:
-        """Whether ``arm``'s drafting has been paying (True before it is measured): a router weighs
-        it when choosing a drafter, since rows on a closed one decode plainly until it reopens."""
+    def is_open(self, arm: str | None = None, batch: int | None = None, context: int | None = None,
+                queued: bool = True) -> bool:
+        """Whether ``arm``'s drafting has been paying (True before it is measured), or, given the
+        step's ``batch``, ``context`` and ``queued``, would pay there (`reopens`): a router weighs it
+        when choosing a drafter, since rows on a closed one decode plainly until it reopens.
+
+        Why the step's conditions: a drafter no row uses is never asked `should_draft`, so its gate
+        never sees the batch shrink; closed under load, it stayed closed to every later request for
+        the engine's life, however small the batch became."""
         gate = self.gates.get(arm)
-        return gate is None or gate.paying
+        if gate is None or gate.paying:
+            return True
+        return batch is not None and context is not None and self.reopens(arm, batch, context, queued)
+
+    def reopens(self, arm: str | None, batch: int, context: int, queued: bool) -> bool:
+        """Whether ``arm``'s closed gate would pay at these conditions by `predicted_efficiency`
+        (only repriced under the objective it was measured under: ``queued`` as then)."""
+        gate = self.gate_for(arm)
+        last = gate.last_step
+        if gate.efficiency is None or last is None or last.queued != queued:
+            return False
+        return self.predicted_efficiency(batch, context, arm) >= self.close_below
 
     def calibrator_for(self, arm: str | None) -> Calibrator:
         if arm is None:
@@ -432,13 +449,10 @@ class BatchDCutPolicy(_PacedPolicy):
         else on the timed retries of `DraftGate`. The engine passes the step's active rows, context
         and queue state, and asks once per drafter."""
         gate = self.gate_for(arm)
-        last = gate.last_step
-        closed = not gate.paying
         # A step under the other objective (the queue filled or emptied) is not repriced: timed retries.
-        if closed and batch is not None and context is not None and last is not None and last.queued == queued:
-            if self.predicted_efficiency(batch, context, arm) >= self.close_below:
-                gate.skipped = 0
-                return True
+        if not gate.paying and batch is not None and context is not None and self.reopens(arm, batch, context, queued):
+            gate.skipped = 0
+            return True
         return gate.should_draft()
 
     def predicted_efficiency(self, batch: int, context: int, arm: str | None = None) -> float:

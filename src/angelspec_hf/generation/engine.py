@@ -42,6 +42,7 @@ target's distribution.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -234,7 +235,8 @@ class SpeculativeEngine:
     in the order of ``confidences``, ``arms`` names the drafter of each drafting row, in the same
     order, and ``draft_seconds`` maps each drafter that drafted to its time; optionally
     ``record_forward(seconds, width, context, batch)``, told how long every verify forward took,
-    and ``is_open(arm)``, whether a drafter's drafting pays, which routing weighs). After a call,
+    and ``is_open(arm)``, whether a drafter's drafting pays, which routing weighs, with keywords
+    ``batch``, ``context`` and ``queued`` where it takes them, to reprice a closed drafter at the step). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
     ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its scored
     probes. ``arm_evidence`` holds the pooled evidence of every scored probe: arm -> (tokens,
@@ -281,6 +283,12 @@ class SpeculativeEngine:
         # A batch policy (`BatchDCutPolicy`) sizes each step's verify window across requests and
         # may skip drafting; without one every row's draft is verified whole.
         self.policy = policy
+        # The current step's batch, context and queue state, for policies whose `is_open` reprices
+        # a closed drafter there (see `_arm_open`); None outside a step.
+        self._conditions: dict | None = None
+        is_open = getattr(policy, "is_open", None)
+        self._policy_reprices = callable(is_open) and {"batch", "context", "queued"} <= set(
+            inspect.signature(is_open).parameters)
         text = target.config.get_text_config()
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.final_state_index = text.num_hidden_layers  # hidden_states[L]: the final normed state
@@ -833,8 +841,13 @@ class SpeculativeEngine:
         return callable(getattr(self.policy, "is_open", None))
 
     def _arm_open(self, arm: str) -> bool:
-        """Whether the policy lets drafter ``arm`` draft (a policy without ``is_open`` always does)."""
-        return not self._policy_gates_arms or self.policy.is_open(arm)
+        """Whether the policy lets drafter ``arm`` draft (a policy without ``is_open`` always does),
+        at this step's conditions where the policy takes them (`BatchDCutPolicy.is_open`)."""
+        if not self._policy_gates_arms:
+            return True
+        if self._conditions is not None and self._policy_reprices:
+            return self.policy.is_open(arm, **self._conditions)
+        return self.policy.is_open(arm)
 
     @staticmethod
     def _keep_generators(row: _Row, arms: set) -> None:
@@ -951,6 +964,7 @@ class SpeculativeEngine:
         flushing = [not a and not self._flushed(row) for row, a in zip(rows, active)]
         policy = self.policy
         batch, context = sum(active), valid.shape[1]
+        self._conditions = {"batch": batch, "context": context, "queued": queued}
         if self.route and self._policy_gates_arms:
             for row, is_active in zip(rows, active):
                 if is_active:
