@@ -675,8 +675,9 @@ def test_timings_wait_for_the_device(setup, monkeypatch):
     common.wait_for_device(torch.device("cuda", 1))
     assert synced == [torch.device("cuda", 1)]
     target, drafters, prompts = setup
-    waits = []
+    waits, proposing = [], []
     monkeypatch.setattr(engine_module, "wait_for_device", lambda device: waits.append(device))
+    monkeypatch.setattr(common, "wait_for_device", lambda device: proposing.append(device))
     engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=2)
     forwards = []
     hook = target.register_forward_hook(lambda *_: forwards.append(1))
@@ -684,8 +685,10 @@ def test_timings_wait_for_the_device(setup, monkeypatch):
         engine.generate(prompts[:2], max_new_tokens=8)
     finally:
         hook.remove()
-    # Per step: after the verify forward, and around a drafting call (ingest, propose) when it drafts.
+    # Per step: after the verify forward, and after a drafting call's ingesting when it drafts; the
+    # proposing waits inside the drafter's `propose_many`, whose own timing the policy reads too.
     assert set(waits) == {target.device} and len(waits) >= len(forwards) - 1
+    assert proposing and set(proposing) == {target.device}
 
 
 def test_routing_reprices_a_closed_drafter_at_the_steps_conditions(setup):

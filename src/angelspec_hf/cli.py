@@ -69,7 +69,8 @@ def faster_verification_dtype(target_name: str, threads: int, stock: bool = Fals
     chosen on the median of the rounds' bfloat16 / float32 ratios. Read from two cost profiles
     measured a minute apart, the choice once followed a slow spell on the host instead: float32 at
     130 ms against bfloat16's 78.5 (session 48; 67.8 against 67.3 in a quiet hour), and batch 1 ran
-    the slower dtype.
+    the slower dtype. Both copies are loaded at once for it, 1.5x the float32 target's memory, and
+    dropped on return.
 
     Neither dtype is faster everywhere: bfloat16 verified 8 drafts at 1.14x a plain step on a CPU with
     bfloat16 units (avx512_bf16), while on one with AVX2 only (emulated bfloat16) a 9-token bfloat16

@@ -283,8 +283,8 @@ class SpeculativeEngine:
         # A batch policy (`BatchDCutPolicy`) sizes each step's verify window across requests and
         # may skip drafting; without one every row's draft is verified whole.
         self.policy = policy
-        # The current step's batch, context and queue state, for policies whose `is_open` reprices
-        # a closed drafter there (see `_arm_open`); None outside a step.
+        # The latest step's batch, context and queue state, for policies whose `is_open` reprices
+        # a closed drafter there (see `_arm_open`); None before the first step.
         self._conditions: dict | None = None
         is_open = getattr(policy, "is_open", None)
         self._policy_reprices = callable(is_open) and {"batch", "context", "queued"} <= set(
@@ -940,8 +940,7 @@ class SpeculativeEngine:
             share = (observed - start) / len(members)
             # A catch-up on states missed while other arms or no drafting ran is paid once, not per round.
             seconds = [share * latest_share for _, latest_share in pending]
-            proposals = type(generators[0]).propose_many(generators, ids)
-            wait_for_device(self.target.device)
+            proposals = type(generators[0]).propose_many(generators, ids)  # waits for the device itself
             end = time.perf_counter()
             share = (end - observed) / len(members)
             steady = steady_call_seconds(observed - start, end - observed, [latest for _, latest in pending])
