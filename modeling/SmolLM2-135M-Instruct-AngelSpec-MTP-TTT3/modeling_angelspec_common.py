@@ -487,6 +487,7 @@ def target_mismatches(config: AngelSpecDrafterConfig, target: PreTrainedModel) -
 
 # --------------------------------------------------------------------------- statistics
 
+
 def wait_for_device(device: torch.device) -> None:
     """Wait for the work queued on ``device``, so that a wall-clock timing ends when it has run.
 
@@ -495,7 +496,6 @@ def wait_for_device(device: torch.device) -> None:
     profile), and each must be the work itself. A CPU runs in order: nothing to wait for."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
 
 
 @dataclass
