@@ -102,6 +102,40 @@ def test_profiles_are_keyed_by_the_cpu_model(tmp_path, monkeypatch, caplog):
         assert cost_model.cpu_model() == (platform.processor() or "unknown")
     finally:
         cost_model.cpu_model.cache_clear()
+        cost_model.cpu_isa.cache_clear()
+
+
+def test_profiles_are_keyed_by_the_cpu_instruction_set(tmp_path, monkeypatch, caplog):
+    """Cloud VMs name different CPU generations alike ("AMD EPYC"); one with bfloat16 units and one
+    without (where bfloat16 is emulated) get different profiles, and the other's profile warns."""
+    from angelspec_hf.generation import cost_model
+
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(cost_model, "CPUINFO", cpuinfo)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path / "home"))
+
+    def on(flags: str) -> tuple[str, object]:
+        cpuinfo.write_text(f"model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma {flags}\n")
+        cost_model.cpu_model.cache_clear()
+        cost_model.cpu_isa.cache_clear()
+        return cost_model.hardware_id(), cost_model.profile_path("tiny")
+
+    try:
+        plain, plain_path = on("")
+        with_units, units_path = on("avx512f avx512_bf16")
+        assert cost_model.cpu_isa().endswith("+bf16") and not plain.split(":")[3].endswith("+bf16")
+        assert units_path != plain_path and "AMD EPYC" in with_units
+        assert on("avx512f avx512_bf16 amx_bf16 amx_tile")[0].split(":")[3].endswith("+amx+bf16")
+        CostModel(target="tiny", hardware=plain, tokens=[1, 2], contexts=[0, 8],
+                  seconds=[[1.0, 1.0], [1.5, 1.5]]).save(plain_path)
+        on("avx512f avx512_bf16")
+        with caplog.at_level(logging.WARNING):
+            CostModel.load(plain_path)
+        assert "+bf16" in caplog.text and "re-run `angelspec-hf profile`" in caplog.text
+    finally:
+        cost_model.cpu_model.cache_clear()
+        cost_model.cpu_isa.cache_clear()
 
 
 def test_profile_target_measures_the_grid(targets):

@@ -34,6 +34,18 @@ PROFILE_FORMAT = 3  # what `profile_target` writes; `load_or_profile` re-measure
 CPUINFO = Path("/proc/cpuinfo")
 
 
+def _cpuinfo_field(*keys: str) -> str | None:
+    """The first value of one of ``keys`` in ``/proc/cpuinfo``, or None where there is none."""
+    try:
+        for line in CPUINFO.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in keys and value.strip():
+                return " ".join(value.split())
+    except OSError:
+        pass
+    return None
+
+
 @functools.cache
 def cpu_model() -> str:
     """The CPU's model name: ``/proc/cpuinfo``'s where there is one, else `platform.processor()`.
@@ -41,21 +53,32 @@ def cpu_model() -> str:
     Why not `platform.processor()` alone: on Linux it is usually empty, so every x86-64 Linux
     machine with the same thread count had one `hardware_id`, and a profile carried to another CPU
     (a home directory shared between machines, a copied cache) loaded without the warning."""
-    try:
-        for line in CPUINFO.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
-                return " ".join(value.split())
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return _cpuinfo_field("model name", "Model", "Hardware") or platform.processor() or "unknown"
+
+
+# CPU flags that change what a forward costs beyond the vector width torch dispatches on: units
+# for bfloat16 products (without them oneDNN emulates bfloat16, many times slower than float32).
+BFLOAT16_FLAGS = {"avx512_bf16": "bf16", "amx_bf16": "amx", "bf16": "bf16"}
+
+
+@functools.cache
+def cpu_isa() -> str:
+    """The CPU's vector instruction set as the kernels see it, for example ``AVX512+bf16``.
+
+    Why: cloud VMs often report a bare model name (``AMD EPYC``) for CPU generations whose kernels
+    differ by more than 2x (an AVX2-only EPYC emulates bfloat16; one with avx512_bf16 does not), and
+    this project's own sessions ran on both under that one name and one cache directory."""
+    flags = set((_cpuinfo_field("flags", "Features") or "").split())
+    units = sorted({name for flag, name in BFLOAT16_FLAGS.items() if flag in flags})
+    return "+".join([torch.backends.cpu.get_cpu_capability(), *units])
 
 
 def hardware_id() -> str:
-    """What a cost profile was measured on: the GPU's name, or the CPU's model and thread count."""
+    """What a cost profile was measured on: the GPU's name, or the CPU's model, instruction set
+    and thread count."""
     if torch.cuda.is_available():
         return f"cuda:{torch.cuda.get_device_name()}"
-    return f"cpu:{platform.machine()}:{cpu_model()}:threads={torch.get_num_threads()}"
+    return f"cpu:{platform.machine()}:{cpu_model()}:{cpu_isa()}:threads={torch.get_num_threads()}"
 
 
 @dataclass
