@@ -755,7 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="tau per domain through generate, greedy, with an identity check")
     evaluate.add_argument("--drafter", required=True)
     evaluate.add_argument("--target", default="reference")
-    evaluate.add_argument("--domains", nargs="+", default=["code", "math"], choices=["chat", "code", "math"])
+    # Every domain by default: with --card the card holds what was measured, and an MTP drafter evaluated
+    # on the old default (code and math) lost its chat row, the domain it is trained for.
+    evaluate.add_argument("--domains", nargs="+", default=["chat", "code", "math"], choices=["chat", "code", "math"])
     evaluate.add_argument("--per-set", type=int, default=8, help="held-out prompts per prompt set")
     evaluate.add_argument("--max-new-tokens", type=int, default=128)
     evaluate.add_argument("--report", default="reports/eval.json")
