@@ -10,6 +10,14 @@
         --bf16 --seed 7 --chat-rollouts data/rollouts/SmolLM2-135M-Instruct-chat \\
         --chat-rollouts data/rollouts/SmolLM2-135M-Instruct-chat-steered
 
+The shipped drafter's last run (session 51, after session 39's GPU LK stage and 150 CPU TV steps,
+docs/trained-drafters.md): 600 more TV steps, then saved in bfloat16:
+
+    python examples/train_mtp_reference.py mtp-chat modeling-runs/s51-tv-hi 0 600 \\
+        --from modeling/SmolLM2-135M-Instruct-AngelSpec-MTP-TTT3 --lr 1.2e-3 --chat-repeat 1 --bf16 --seed 52 \\
+        --threads 1 --chat-rollouts data/rollouts/SmolLM2-135M-Instruct-chat \\
+        --chat-rollouts data/rollouts/SmolLM2-135M-Instruct-chat-steered
+
 The first command trained the MTP drafter shipped until 2026-12-01 (`modeling-runs/mtp/final`); the
 second and third continued it without a held-out gain (see README); the last continued it (the
 weights of commit 294d445) with the steered chat rollouts added into the shipped one (31 minutes,
