@@ -3,6 +3,7 @@
 import itertools
 import logging
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_profiles_are_keyed_by_the_cpu_instruction_set(tmp_path, monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path / "home"))
 
-    def on(flags: str) -> tuple[str, object]:
+    def on(flags: str) -> tuple[str, Path]:
         cpuinfo.write_text(f"model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma {flags}\n")
         cost_model.cpu_model.cache_clear()
         cost_model.cpu_isa.cache_clear()
