@@ -1,4 +1,5 @@
-"""Targets beyond Llama and Qwen3: older configs, projected embeddings, column-counted positions.
+"""Targets beyond Llama and Qwen3: older configs, projected embeddings, column-counted positions,
+heterogeneous configs and KV-shared layers (Gemma 4).
 
 Found by building drafters for tiny random targets of 29 `transformers` families (session 46): every
 one either works (token-identical to plain `generate`) or now stops with an error naming why.
@@ -6,7 +7,8 @@ one either works (token-identical to plain `generate`) or now stops with an erro
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, MptConfig, MptForCausalLM, OPTConfig, OPTForCausalLM
+from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, MptConfig, MptForCausalLM,
+                          OPTConfig, OPTForCausalLM)
 
 from angelspec_hf import DFlyDrafter, MTPDrafter
 from angelspec_hf.errors import DrafterConfigError, UnsupportedCacheError
@@ -69,3 +71,37 @@ def test_column_counted_alibi_is_refused_by_the_engine_and_decodes_through_gener
         out = target.generate(torch.tensor([prompt]), assistant_model=drafter, do_sample=False, max_new_tokens=16,
                               eos_token_id=None, use_cache=True)
         assert out[0].tolist() == plain(target, prompt, use_cache=True)
+
+
+def gemma4(**overrides):
+    """Gemma 4's text model: its full-attention layers have their own ``head_dim`` (a heterogeneous
+    config, which raises on reading ``head_dim`` for the whole model), and with ``num_kv_shared_layers``
+    its last layers read earlier layers' keys and values instead of caching their own."""
+    config = AutoConfig.for_model("gemma4_text", vocab_size=96, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=512, sliding_window=8, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0, tie_word_embeddings=False,
+                                  layer_types=["sliding_attention", "full_attention"] * 3, **overrides)
+    torch.manual_seed(0)
+    return sharpened(AutoModelForCausalLM.from_config(config))
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly"])
+@pytest.mark.parametrize("shared", [0, 2], ids=["own-kv", "kv-shared"])
+def test_gemma4_gets_drafters_that_decode_exactly_in_generate_and_the_engine(kind, shared):
+    """`from_target` raised AmbiguousGlobalPerLayerAttributeError on Gemma 4 (it read ``head_dim`` of
+    the whole config), and the engine refused KV-shared layers as unknown ("dummy") layers. The
+    sliding window of 8 is shorter than the 24-token outputs, so the engine's window masks count."""
+    target = gemma4(num_kv_shared_layers=shared)
+    assert target.config.is_heterogeneous
+    prompts = PROMPTS + [[1, 8]]
+    drafter = MTPDrafter.from_target(target, num_draft_tokens=3) if kind == "mtp" else DFlyDrafter.from_target(target, block_size=4)
+    assert drafter.config.head_dim == 16  # the first (sliding) layer's, not the full-attention layers' 512
+    expected = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24, eos_token_id=None)[0].tolist()
+                for p in prompts]
+    for prompt, reference in zip(prompts, expected):
+        out = target.generate(torch.tensor([prompt]), assistant_model=drafter.eval(), do_sample=False,
+                              max_new_tokens=24, eos_token_id=None)
+        assert out[0].tolist() == reference
+    assert SpeculativeEngine(target, drafter, max_batch_size=2).generate(prompts, max_new_tokens=24) == expected
+    assert SpeculativeEngine(target, None, max_batch_size=2).generate(prompts, max_new_tokens=24) == expected

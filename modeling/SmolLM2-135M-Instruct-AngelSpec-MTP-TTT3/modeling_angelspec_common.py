@@ -429,10 +429,21 @@ def target_intermediate_size(text_config) -> int:
     return 4 * text_config.hidden_size
 
 
+def first_layer_config(text_config):
+    """The config of the target's first decoder layer: the text config itself, except for
+    transformers' heterogeneous configs, whose layers differ (Gemma 4's full-attention layers have
+    their own ``head_dim``) and which raise on reading such an attribute for the whole model."""
+    if getattr(text_config, "is_heterogeneous", False):
+        return text_config.per_layer_config[0]
+    return text_config
+
+
 def target_config_fields(target: PreTrainedModel) -> dict[str, Any]:
-    """Everything a drafter config must know about its target."""
+    """Everything a drafter config must know about its target (the drafter's own layer is sized
+    like the target's first one)."""
     text = target.config.get_text_config()
-    num_heads = text.num_attention_heads
+    layer = first_layer_config(text)
+    num_heads = layer.num_attention_heads
     widths = {name: module.weight.shape[1] for name, module in
               (("input embeddings", target.get_input_embeddings()), ("output embeddings", target.get_output_embeddings()))
               if module is not None}
@@ -448,12 +459,12 @@ def target_config_fields(target: PreTrainedModel) -> dict[str, Any]:
     return {
         "vocab_size": text.vocab_size,
         "hidden_size": text.hidden_size,
-        "intermediate_size": target_intermediate_size(text),
+        "intermediate_size": target_intermediate_size(layer),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
-        "rms_norm_eps": float(getattr(text, "rms_norm_eps", 1e-6)),
-        "rope_theta": rope_theta_of(text),
+        "num_key_value_heads": getattr(layer, "num_key_value_heads", None) or num_heads,
+        "head_dim": getattr(layer, "head_dim", None) or text.hidden_size // num_heads,
+        "rms_norm_eps": float(getattr(layer, "rms_norm_eps", 1e-6)),
+        "rope_theta": rope_theta_of(layer),
         "num_target_layers": text.num_hidden_layers,
         "target_name_or_path": target_name(target),
         "target_revision": getattr(target.config, "_commit_hash", None),

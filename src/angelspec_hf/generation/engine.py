@@ -62,6 +62,9 @@ from .exact import ATTENTION_NAME
 logger = logging.getLogger(__name__)
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Cache layers that store nothing: layers that read another layer's keys and values (Gemma 4's KV
+# sharing) or have no attention. The engine's cache (built without the config) never creates them.
+CACHELESS_LAYER_TYPE = "dummy"
 # Families whose position information is counted over cache columns rather than taken from
 # position_ids or the attention mask: MPT's ALiBi biases each key by its column's distance from the
 # last column, so the engine's shared columns (other rows' padding, rejected drafts) would shift
@@ -88,7 +91,7 @@ def attention_windows(target) -> dict[str, int | None] | None:
             "target.generate(assistant_model=drafter, use_cache=True) instead."
         )
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-    other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
+    other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES) - {CACHELESS_LAYER_TYPE})
     if other:
         fix = ("Their recurrent state cannot be rolled back after a rejected draft, so speculative decoding "
                "(transformers' assisted generation too) does not apply to this target."
@@ -100,6 +103,8 @@ def attention_windows(target) -> dict[str, int | None] | None:
         )
     windows: dict[str, int | None] = {}
     for layer_type, kwargs in zip(layer_types, layer_kwargs):
+        if layer_type == CACHELESS_LAYER_TYPE:
+            continue
         window = kwargs.get("sliding_window")
         if windows.setdefault(layer_type, window) != window:
             raise UnsupportedCacheError(
