@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from angelspec_hf import MTPDrafter
 from angelspec_hf.errors import ExactVerificationError
 from angelspec_hf.generation import exact
 from angelspec_hf.generation.exact import (
@@ -138,6 +139,24 @@ def test_bf16_target_verifies_exactly(family):
     state = make_verification_exact(target, max_rows=10)
     assert is_verification_exact(target) and make_verification_exact(target) is state
     assert check_verification_exact(target, 10, contexts=(1, 60, 129)) == {}
+
+
+def test_a_sliding_window_target_past_its_window_verifies_exactly():
+    """The check's cache dropped keys beyond a sliding window (Gemma 3 and 4, Cohere 2, Mistral with
+    a window) and then refused to crop them: make_verification_exact raised transformers' RuntimeError
+    ("`crop` was called, but the current layer does not track past states")."""
+    from angelspec_hf.reference import tiny_target
+
+    target = tiny_target("mistral", sliding_window=8).to(torch.bfloat16)
+    make_verification_exact(target, max_rows=6)
+    assert check_verification_exact(target, 6, contexts=(3, 40)) == {}
+    torch.manual_seed(0)
+    drafter = MTPDrafter.from_target(target, num_draft_tokens=3).eval()
+    for prompt in ([1, 5, 9, 13, 17, 21, 25], [1, 40, 41]):
+        ids = torch.tensor([prompt])
+        plain = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
+        fast = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False, eos_token_id=None)
+        assert torch.equal(plain, fast)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -341,6 +341,9 @@ def check_verification_exact(target, max_rows: int, contexts: tuple[int, ...] = 
         tokens = torch.randint(0, vocab, (1, max_rows), generator=generator).to(target.device)
         cache = DynamicCache(config=target.config)
         target(prompt, past_key_values=cache, use_cache=True)
+        # Sliding-window layers (Gemma 3 and 4, Cohere 2) drop keys beyond the window and then refuse
+        # to crop; recording them after the prefill is what `generate` does before it speculates.
+        cache.activate_past_recording()
         plain = [target(tokens[:, i:i + 1], past_key_values=cache, use_cache=True).logits[0, -1] for i in range(max_rows)]
         cache.crop(-max_rows)
         for width in range(2, max_rows + 1):
