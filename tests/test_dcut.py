@@ -145,6 +145,16 @@ def test_profile_target_measures_the_grid(targets):
     assert all(len(grid) == 2 and all(len(row) == 2 and all(v > 0 for v in row) for row in grid) for grid in model.seconds)
 
 
+def test_profile_target_measures_contexts_past_a_sliding_window():
+    """Cropping a sliding-window cache past its window raised RuntimeError in the profile's timed
+    forwards, so D-cut could not start on Gemma 3 (window 512, contexts up to 768) or GPT-OSS (128)."""
+    from angelspec_hf.reference import tiny_target
+
+    model = profile_target(tiny_target("mistral", sliding_window=8), "tiny-window", tokens=(1, 4), contexts=(4, 32),
+                           batch_sizes=(1, 2), repeats=1, sweeps=1)
+    assert all(v > 0 for grid in model.seconds for row in grid for v in row)
+
+
 def test_profile_timings_wait_for_the_device(targets, monkeypatch):
     """Each timed forward of a profile ends once the device has run it (a GPU runs kernels
     asynchronously): one wait per forward, warm-ups included, none for the prefills."""

@@ -214,10 +214,14 @@ def _timed(function, repeats: int) -> list[float]:
 
 
 def _prefilled_cache(target, batch: int, context: int) -> DynamicCache:
-    """A cache holding ``context`` random tokens in each of ``batch`` rows."""
+    """A cache holding ``context`` random tokens in each of ``batch`` rows, which the timed forwards
+    can crop back to them."""
     cache = DynamicCache(config=target.config)
     vocab = target.config.get_text_config().vocab_size
     target(torch.randint(0, vocab, (batch, context), device=target.device), past_key_values=cache, use_cache=True)
+    # Sliding-window layers past their window keep only the window and refuse to crop (transformers'
+    # RuntimeError, Gemma 3 at context 768 for one) unless they record past states from here on.
+    cache.activate_past_recording()
     return cache
 
 
