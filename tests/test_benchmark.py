@@ -239,6 +239,19 @@ def test_bench_picks_the_dtype_this_hardware_verifies_faster(targets, monkeypatc
     assert cli.build_parser().parse_args(["bench"]).dtype == "auto"
 
 
+def test_a_target_bfloat16_cannot_verify_exactly_is_benchmarked_in_float32(monkeypatch, caplog):
+    """`bench` on a target whose attention the exact kernels refuse (Gemma 2's soft-capping, GPT-OSS's
+    sinks) stopped with ExactVerificationError while choosing its batch-1 dtype."""
+    from angelspec_hf import cli, generation
+    from angelspec_hf.reference import tiny_target
+
+    monkeypatch.setattr(cli, "load_target_model", lambda name, dtype="float32": tiny_target("gemma2").to(getattr(torch, dtype)))
+    monkeypatch.setattr(generation, "interleaved_verify_seconds", lambda *a, **k: pytest.fail("nothing to compare"))
+    with caplog.at_level("WARNING"):
+        assert cli.faster_verification_dtype("tiny-gemma2", threads=1) == ("float32", {})
+    assert "bfloat16 cannot verify drafts exactly on tiny-gemma2" in caplog.text and "softcap" in caplog.text
+
+
 def test_interleaved_verify_seconds_times_the_targets_turn_by_turn(targets):
     """Each round times every target once, the order reversed each round, so that a slow spell on
     the host lands on both dtypes rather than on whichever was measured during it; each timing is a

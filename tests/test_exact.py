@@ -194,6 +194,19 @@ def test_exact_target_saves_a_loadable_config(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation != ATTENTION_NAME
 
 
+def test_an_attention_feature_the_exact_kernels_refuse_undoes_everything():
+    """Gemma 2's soft-capping is refused on the check's first forward; the target kept the exact
+    attention installed after that error."""
+    from angelspec_hf.reference import tiny_target
+
+    target = tiny_target("gemma2").to(torch.bfloat16)
+    before = target.config._attn_implementation
+    with pytest.raises(ExactVerificationError, match="softcap"):
+        make_verification_exact(target, max_rows=4)
+    assert not is_verification_exact(target) and target.config._attn_implementation == before
+    target.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=4, do_sample=False)
+
+
 def test_a_layer_that_cannot_be_made_exact_undoes_everything(monkeypatch):
     target = _tiny_bf16("qwen3")
     before = target.config._attn_implementation

@@ -302,7 +302,13 @@ def make_verification_exact(target, max_rows: int = 16, check: bool = True) -> E
     logger.info("exact verification: attention %s, %d linear layers rerouted (%s)", ATTENTION_NAME, len(state.plans),
                 sorted({(p.pad_single, p.largest_block) for p in state.plans.values()}))
     if check:
-        failures = check_verification_exact(target, max_rows)
+        try:
+            failures = check_verification_exact(target, max_rows)
+        except ExactVerificationError:
+            # The exact attention refuses what it does not implement (attention sinks, soft-capping)
+            # on the check's first forward: the target must not keep it.
+            state.undo()
+            raise
         if failures:
             state.undo()
             raise ExactVerificationError(
