@@ -374,17 +374,23 @@ def test_gate_averages_its_first_rounds_evenly():
     assert policy.gate.efficiency == pytest.approx(0.75 * 1.1 + 0.25 * 2.0)
 
 
-def test_the_engine_gate_closes_only_below_its_margin():
-    """The engine's gate keeps drafting at an efficiency between 0.9 and 1 (a few-row step's
-    measurement is noisy, and one dip below 1 closed a drafter that paid 1.3x for 40-56 steps),
-    and closes below it; the batch-1 gate still closes below 1. ``close_below`` is checked."""
+def test_the_engine_gate_rides_out_a_dip_and_closes_on_a_steady_loss():
+    """The engine's gate averages about 20 drafting steps and closes below 1: a single step's dip
+    (a few-row step's measurement is noisy) leaves a paying drafter open, while a drafter that runs
+    steadily at 0.95x plain decoding closes (with a 0.9 margin on a 5-step average it kept drafting
+    chat at 0.95-0.97x). An explicit ``close_below`` still sets the margin and is checked."""
     from angelspec_hf.generation import BatchDCutPolicy
     from angelspec_hf.generation.dcut import DraftGate
 
-    for efficiency, paying in ((0.95, True), (0.85, False)):
-        gate = BatchDCutPolicy(batch16_cost()).gate_for("drafter")
-        gate.record_rate(tokens=efficiency, seconds=1.0, plain_tokens=1.0, plain_seconds=1.0)
-        assert gate.paying is paying and gate.should_draft() is paying
+    def gate_after(rates, **kwargs):
+        gate = BatchDCutPolicy(batch16_cost(), **kwargs).gate_for("drafter")
+        for rate in rates:
+            gate.record_rate(tokens=rate, seconds=1.0, plain_tokens=1.0, plain_seconds=1.0)
+        return gate
+
+    assert gate_after([1.3] * 30 + [0.44]).paying
+    assert not gate_after([0.95] * 30).paying
+    assert gate_after([0.95] * 30, smoothing=0.2, close_below=0.9).paying
     batch1 = DCutPolicy(linear_cost(1.0, 0.0)).gate
     batch1.record_rate(tokens=0.95, seconds=1.0, plain_tokens=1.0, plain_seconds=1.0)
     assert not batch1.paying
