@@ -704,7 +704,8 @@ def test_batch1_dcut_learns_the_pace_and_drafts_as_at_the_profiles_speed():
 
 
 def test_generate_tells_the_policy_how_long_each_verify_forward_took(targets):
-    """`generate` reports every round's forward (width: the drafted tokens + 1) to the policy."""
+    """`generate` reports every round's forward (width: the drafted tokens + 1, plus the first-token
+    alternatives verified beside them, up to a forward of 6) to the policy."""
     target, drafter = targets.target("llama"), targets.fitted("llama", "dfly-hybrid-corr")
     policy = DCutPolicy(linear_cost(0.01, 0.001), explore_every=4)
     forwards = []
@@ -723,7 +724,8 @@ def test_generate_tells_the_policy_how_long_each_verify_forward_took(targets):
         del drafter.draft_policy
     assert torch.equal(fast, target.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None))
     drafted = drafter.last_speculation_stats.drafted
-    assert [width for _, width, _, _ in forwards] == [d + 1 for d in drafted]
+    alternatives = [min(2, max(0, 6 - (d + 1))) if d else 0 for d in drafted]
+    assert [width for _, width, _, _ in forwards] == [d + 1 + a for d, a in zip(drafted, alternatives)]
     contexts = [context for _, _, context, _ in forwards]
     assert contexts[0] == PROMPT_LENGTH + 1 and contexts == sorted(contexts)
     assert all(seconds > 0 and batch == 1 for seconds, _, _, batch in forwards)

@@ -515,6 +515,7 @@ class SpeculationStats:
 
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    alternative_hits: int = 0  # rounds whose first token came from a first-token alternative
 
     @property
     def rounds(self) -> int:
@@ -537,6 +538,7 @@ class SpeculationStats:
             "accepted": list(self.accepted),
             "tau": self.tau,
             "acceptance_rate": self.acceptance_rate,
+            "alternative_hits": self.alternative_hits,
         }
 
 
@@ -577,6 +579,8 @@ class BatchedDraft:
         if self.spread_each_step:
             position_logits = expand_to_vocab(position_logits, self.token_ids, self.vocab_size)
         logits, chosen = AngelSpecCandidateGenerator.select_many(self.generators, self.ids, position_logits, self.live)
+        if step == 0:
+            self.record_alternatives(logits, chosen)
         if self.in_draft_columns:
             chosen = self.token_ids[chosen]
         for row, generator in enumerate(self.generators):
@@ -589,6 +593,16 @@ class BatchedDraft:
             self.live[row] = step + 1 < self.budgets[row] and (
                 not ask_policy or generator.keep_drafting(self.input_ids[row].shape[1]))
         return chosen
+
+    def record_alternatives(self, logits: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Each row's runner-up picks for the first draft position, as target ids (see
+        `AlternativesVerification`), for the rows whose generator verifies any."""
+        for row, generator in enumerate(self.generators):
+            if generator.alternatives < 1 or not self.live[row]:
+                continue
+            ranked = logits[row].topk(generator.alternatives + 1).indices
+            ranked = ranked[ranked != chosen[row, 0]][: generator.alternatives]
+            generator.drafted_alternatives = self.token_ids[ranked] if self.in_draft_columns else ranked
 
     @property
     def done(self) -> bool:
@@ -671,6 +685,14 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.confidences: list[float] = []  # draft probability of each token drafted this round
         self.key_padding: torch.Tensor | None = None  # (1, committed) bool, None while all are real tokens
         self.verify_started: float | None = None  # when `generate` took this round's candidates
+        # First-token alternatives (`AlternativesVerification`): 0 unless `generate` verifies them.
+        self.alternatives = 0
+        self.alternatives_width = 0  # the widest verify forward alternatives may make
+        self.drafted_alternatives: torch.Tensor | None = None  # this round's, as drafted
+        self.pending_alternatives: torch.Tensor | None = None  # this round's, as the verify forward takes them
+        self.last_candidates: torch.Tensor | None = None  # the ids the loop verifies this round
+        self.last_alternatives_verified = 0
+        self.alternative_hit = False
         self.stats = SpeculationStats()
         drafter.last_speculation_stats = self.stats
         warn_if_drafting_emulated(drafter, target)
@@ -692,12 +714,14 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.last_draft_length = 0
         self.last_confidences = None
         self.verify_started = None
+        self.pending_alternatives = self.last_candidates = None
         if is_first_iteration:
             return input_ids, None
         self.observe_outputs(input_ids, model_outputs, model_kwargs)
-        candidates = self.propose(input_ids)
+        candidates, logits = self.propose(input_ids)
+        self.last_candidates = candidates
         self.verify_started = time.perf_counter()
-        return candidates
+        return candidates, logits
 
     def observe_outputs(self, input_ids: torch.LongTensor, model_outputs: Any, model_kwargs: dict[str, Any] | None = None) -> None:
         """Append the context of the positions the last verify forward committed."""
@@ -787,6 +811,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.last_draft_length = 0
         self.last_confidences = None
         self.confidences = []
+        self.drafted_alternatives = None
+        self.alternative_hit = False
         budget = min(self.max_draft_tokens, self.max_length - input_ids.shape[1] - 1)
         # An optional draft policy (D-cut, duck-typed so remote code needs nothing of ours) may
         # skip drafting or keep only a prefix; the choice uses draft-side information only, so
@@ -808,6 +834,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             if keep == 0:
                 return input_ids, None
         self.last_draft_length = tokens.shape[1]
+        room = self.alternatives_width - (tokens.shape[1] + 1)
+        self.pending_alternatives = self.drafted_alternatives[:room] if self.drafted_alternatives is not None and room > 0 else None
         candidates = torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1)
         return candidates, logits.to(input_ids.device) if logits is not None else None
 
@@ -817,14 +845,18 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             return
         self.stats.drafted.append(self.last_draft_length)
         self.stats.accepted.append(int(num_matches))
+        self.stats.alternative_hits += int(self.alternative_hit)
         if self.verify_started is not None and hasattr(self.policy, "record_forward"):
             # What `generate` did since taking the candidates: the verify forward, plus its acceptance
             # and cache bookkeeping (a few percent at batch 1, which the policy's pace then carries).
-            self.policy.record_forward(time.perf_counter() - self.verify_started, self.last_draft_length + 1,
-                                       self.committed + 1)
+            self.policy.record_forward(time.perf_counter() - self.verify_started,
+                                       self.last_draft_length + 1 + self.last_alternatives_verified, self.committed + 1)
             self.verify_started = None
         if self.last_confidences is not None:
-            self.policy.observe(self.last_confidences, int(num_matches), self.last_draft_seconds, self.committed + 1)
+            # The policy calibrates the chain's confidences: an accepted alternative means its first
+            # token was rejected.
+            chain_matches = 0 if self.alternative_hit else int(num_matches)
+            self.policy.observe(self.last_confidences, chain_matches, self.last_draft_seconds, self.committed + 1)
 
     def _extend_key_padding(self, model_kwargs: dict[str, Any] | None, num_new: int) -> None:
         mask = (model_kwargs or {}).get("attention_mask")
@@ -896,6 +928,181 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         raise NotImplementedError
 
 
+# --------------------------------------------------------------------------- first-token alternatives
+
+# Attention implementations known to apply a custom 4D mask as given (our exact kernel included).
+_TREE_MASK_ATTENTION = ("sdpa", "eager", "angelspec_exact")
+
+
+def tree_attention_mask(key_padding: torch.Tensor | None, past: int, width: int, alternatives: int,
+                        additive_dtype: torch.dtype | None) -> torch.Tensor:
+    """4D mask (1, 1, width + alternatives, past + width + alternatives) of a verify forward whose
+    first ``width`` tokens are the usual chain (the last committed token and the draft) and whose
+    last ``alternatives`` tokens each stand in for the draft's first token: they see the past and
+    the committed token, not the chain nor each other. Boolean (True = visible) unless
+    ``additive_dtype`` asks for eager attention's additive form."""
+    rows = width + alternatives
+    visible = torch.zeros(rows, past + rows, dtype=torch.bool)
+    visible[:, :past] = True
+    visible[:width, past : past + width] = torch.ones(width, width, dtype=torch.bool).tril()
+    visible[width:, past] = True
+    visible[width:, past + width :] = torch.eye(alternatives, dtype=torch.bool)
+    visible = visible[None, None]
+    if key_padding is not None:
+        visible = visible.to(key_padding.device).clone()
+        visible[..., :past] &= key_padding[:, None, None, :past].bool()
+    if additive_dtype is None:
+        return visible
+    return torch.zeros(visible.shape, dtype=additive_dtype, device=visible.device).masked_fill_(
+        ~visible, torch.finfo(additive_dtype).min)
+
+
+def tree_cache_ready(cache: Any) -> bool:
+    """Whether every layer of ``cache`` keeps plain full-attention states, which an accepted
+    alternative's entry can be moved within; sliding-window, KV-shared, linear-attention and
+    quantized layers keep other bookkeeping."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+
+
+def target_applies_tree_masks(target: PreTrainedModel) -> bool:
+    """Whether ``target`` honours a custom 4D mask and explicit positions, checked once per target
+    and attention implementation on a short random sequence: a token verified as an alternative
+    (beside a chain token it must not see, at the chain token's position) must get the logits it
+    gets when it is the chain. A family that rebuilds its own masks or positions fails the check
+    and is verified without alternatives, so output never depends on it."""
+    implementation = getattr(target.config, "_attn_implementation", None)
+    if implementation not in _TREE_MASK_ATTENTION or getattr(target.config, "is_encoder_decoder", False):
+        return False
+    checked = getattr(target, "_angelspec_tree_mask_check", None)
+    if checked is not None and checked[0] == implementation:
+        return checked[1]
+    device = target.get_input_embeddings().weight.device
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, target.config.get_text_config().vocab_size, (1, 7), generator=generator).to(device)
+    additive = target.dtype if implementation == "eager" else None
+    # Tokens t0..t6: t5 verified as an alternative to t6 (both at position 5, after t0..t4) must get
+    # the logits it gets as the chain's token.
+    past = 4
+    visible = torch.zeros(1, 1, 7, 7, dtype=torch.bool)
+    visible[0, 0, :past, :past] = torch.ones(past, past, dtype=torch.bool).tril()
+    visible[..., past:, :] = tree_attention_mask(None, past, 2, 1, None)
+    mask = visible if additive is None else torch.zeros(visible.shape, dtype=additive).masked_fill_(
+        ~visible, torch.finfo(additive).min)
+    ids = torch.cat([tokens[:, :past + 1], tokens[:, 6:7], tokens[:, 5:6]], dim=-1)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 5]], device=device)
+    try:
+        with torch.no_grad():
+            alone = target(tokens[:, :6], use_cache=False).logits[0, -1].float()
+            tree = target(ids, attention_mask=mask.to(device), position_ids=positions,
+                          use_cache=False).logits[0, -1].float()
+        scale = alone.abs().max().clamp_min(1e-6)
+        ok = bool(((tree - alone).abs().max() / scale) < 1e-2)
+    except Exception as exc:  # a family whose forward refuses the mask: verify without alternatives
+        logger.info("first-token alternatives off for %s: %s", type(target).__name__, exc)
+        ok = False
+    target._angelspec_tree_mask_check = (implementation, ok)
+    return ok
+
+
+class AlternativesVerification:
+    """Verifies a round's first-token alternatives in the same target forward as its chain.
+
+    A drafter's runner-up picks for the first draft position (see
+    `AngelSpecPreTrainedModel.first_token_alternatives`) ride along in the verify forward under a
+    tree mask. When the target's greedy token is one of them instead of the chain's first token, the
+    round keeps that alternative and the target's token after it: two tokens where the chain gave
+    one. ``transformers``' assisted-decoding loop stays in charge of acceptance, EOS, length,
+    streamers and outputs: after the forward this class moves the alternative's logits, hidden
+    states and cache entry into the chain's second slot and writes the alternative into the
+    round's candidate ids (the tensor the loop compares against), so the loop accepts exactly what
+    it would from a chain that had drafted the alternative first. The forward hooks live only for
+    one ``generate`` call. Greedy decoding without logits processors only: the choice reads the
+    target's raw argmax, as the loop does then.
+    """
+
+    def __init__(self, generator: "AngelSpecCandidateGenerator", target: PreTrainedModel):
+        self.generator, self.target = generator, target
+        self.additive = target.dtype if target.config._attn_implementation == "eager" else None
+        self.in_flight: tuple[Any, int, int, torch.Tensor] | None = None
+        self.handles = [
+            target.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            target.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _before_forward(self, module, args, kwargs):
+        generator = self.generator
+        alternatives, generator.pending_alternatives = generator.pending_alternatives, None
+        self.in_flight = None
+        generator.last_alternatives_verified = 0
+        ids, cache, candidates = kwargs.get("input_ids"), kwargs.get("past_key_values"), generator.last_candidates
+        if alternatives is None or args or ids is None or candidates is None:
+            return None
+        width = ids.shape[1]
+        # Only the forward that verifies this round's chain.
+        if (width != generator.last_draft_length + 1 or not tree_cache_ready(cache)
+                or not torch.equal(ids[0], candidates[0, -width:].to(ids.device))):
+            return None
+        past = cache.get_seq_length()
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(past, past + width, device=ids.device)[None]
+        count = alternatives.numel()
+        key_padding = kwargs.get("attention_mask")
+        if key_padding is not None and key_padding.dim() != 2:
+            return None
+        kwargs["input_ids"] = torch.cat([ids, alternatives.to(ids.device)[None]], dim=-1)
+        kwargs["position_ids"] = torch.cat([positions, positions[:, 1:2].expand(1, count)], dim=-1)
+        kwargs["attention_mask"] = tree_attention_mask(key_padding, past, width, count, self.additive).to(ids.device)
+        if isinstance(kwargs.get("logits_to_keep"), int) and kwargs["logits_to_keep"] > 0:
+            kwargs["logits_to_keep"] += count
+        self.in_flight = (cache, past, width, alternatives)
+        generator.last_alternatives_verified = count
+        return args, kwargs
+
+    def _after_forward(self, module, args, kwargs, output):
+        if self.in_flight is None:
+            return None
+        cache, past, width, alternatives = self.in_flight
+        self.in_flight = None
+        count = alternatives.numel()
+        logits = output.logits
+        chain_start = logits.shape[1] - width - count
+        picked = logits[0, chain_start].argmax()
+        candidates = self.generator.last_candidates
+        first_drafted = candidates.shape[1] - (width - 1)
+        hit = None
+        if picked != candidates[0, first_drafted]:
+            matches = (alternatives.to(picked.device) == picked).nonzero()
+            hit = int(matches[0, 0]) if matches.numel() else None
+        self.generator.alternative_hit = hit is not None
+        rows = torch.arange(width, device=logits.device)
+        if hit is not None:
+            rows[1] = width + hit
+        output.logits = torch.cat([logits[:, :chain_start], logits[:, chain_start:][:, rows]], dim=1)
+        total = width + count
+        if getattr(output, "hidden_states", None) is not None:
+            output.hidden_states = tuple(
+                state[:, rows.to(state.device)] if torch.is_tensor(state) and state.shape[1] == total else state for state in output.hidden_states)
+        if hit is not None:
+            for layer in cache.layers:
+                layer.keys[:, :, past + 1] = layer.keys[:, :, past + width + hit]
+                layer.values[:, :, past + 1] = layer.values[:, :, past + width + hit]
+            candidates[0, first_drafted] = alternatives[hit]
+            if width > 2:
+                # The loop must stop after the alternative and the target's token that follows it.
+                following = output.logits[0, chain_start + 1].argmax()
+                candidates[0, first_drafted + 1] = (following + 1) % output.logits.shape[-1]
+        cache.crop(-count)
+        return output
+
+
 # --------------------------------------------------------------------------- base model
 
 
@@ -911,6 +1118,15 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _supports_sdpa = True
     candidate_generator_class: type[AngelSpecCandidateGenerator] = AngelSpecCandidateGenerator
+    # Runner-up tokens for the first draft position that greedy `generate` verifies beside the chain
+    # (`AlternativesVerification`), in rounds whose verify forward stays at most
+    # `alternatives_verify_width` tokens wide: on the reference target on one CPU thread (AVX-512
+    # EPYC, float32 packed linears) a forward of 4 or 6 new tokens took 60.4 / 60.6 ms and one of 7
+    # took 69.1 ms, so MTP's chain of 3 gets two alternatives for free and an 8-wide block draft
+    # none (one more cost DFly-Block8 4% on code). A GPU verifies many more tokens for the price of
+    # one: raise the width there. Set either per instance; 0 alternatives turns them off.
+    first_token_alternatives: int = 2
+    alternatives_verify_width: int = 6
 
     @property
     def max_draft_tokens(self) -> int:
@@ -1022,10 +1238,28 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
         """Called by the ``generate`` dispatch (after `check_target`); the generator for one call."""
         return self.candidate_generator_class(self, target, generation_config, logits_processor)
 
+    def alternatives_for(self, generator: AngelSpecCandidateGenerator, target: PreTrainedModel, generation_config) -> int:
+        """How many first-token alternatives a ``generate`` call verifies: `first_token_alternatives`
+        where the call is greedy without logits processors or an assistant ensemble, returns no
+        per-step attentions or hidden states (their shapes would show the extra tokens), and the
+        target honours tree masks; 0 elsewhere (the plain chain)."""
+        wanted = int(getattr(self, "first_token_alternatives", 0) or 0)
+        if wanted < 0:
+            raise DrafterConfigError(f"first_token_alternatives must be 0 or more, got {wanted}. "
+                                     "Fix: set drafter.first_token_alternatives = 0 to verify the chain only.")
+        outputs_shapes = generation_config.return_dict_in_generate and (
+            generation_config.output_attentions or generation_config.output_hidden_states)
+        if (wanted == 0 or generator.do_sample or generator.logits_processor is not None or outputs_shapes
+                or getattr(generation_config, "assistant_ensemble_weight", None) is not None):
+            return 0
+        return wanted if target_applies_tree_masks(target) else 0
+
 
 # --------------------------------------------------------------------------- generate dispatch
 
 _DISPATCH_MARK = "_angelspec_hf_dispatch"
+# The alternatives' forward hooks of the `generate` call running on each target (removed when it ends).
+_ALTERNATIVES_IN_USE: "weakref.WeakKeyDictionary[PreTrainedModel, AlternativesVerification]" = weakref.WeakKeyDictionary()
 
 
 def install_generate_integration() -> None:
@@ -1055,19 +1289,31 @@ def install_generate_integration() -> None:
         assistant, generation_config = kwargs.get("assistant_model"), kwargs.get("generation_config")
         if ours(assistant, generation_config):
             assistant.validate_generate_call(input_ids, generation_config, kwargs)
-        return assisted(self, input_ids, *args, **kwargs)
+        try:
+            return assisted(self, input_ids, *args, **kwargs)
+        finally:
+            verification = _ALTERNATIVES_IN_USE.pop(self, None)
+            if verification is not None:
+                verification.remove()
 
     def _get_candidate_generator(self, *args, **kwargs):
         assistant, generation_config = kwargs.get("assistant_model"), kwargs.get("generation_config")
         if not ours(assistant, generation_config):
             return dispatch(self, *args, **kwargs)
-        return assistant.get_candidate_generator(
+        generator = assistant.get_candidate_generator(
             target=self,
             generation_config=generation_config,
             logits_processor=kwargs.get("logits_processor"),
             input_ids=kwargs.get("input_ids"),
             model_kwargs=kwargs.get("model_kwargs"),
         )
+        alternatives_for = getattr(assistant, "alternatives_for", None)
+        if isinstance(generator, AngelSpecCandidateGenerator) and alternatives_for is not None:
+            generator.alternatives = alternatives_for(generator, self, generation_config)
+            generator.alternatives_width = int(getattr(assistant, "alternatives_verify_width", 0) or 0)
+            if generator.alternatives:
+                _ALTERNATIVES_IN_USE[self] = AlternativesVerification(generator, self)
+        return generator
 
     for name, function in (
         ("_validate_generation_mode", _validate_generation_mode),
