@@ -294,3 +294,83 @@ def test_exact_bfloat16_verification_with_alternatives(targets, monkeypatch):
     speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False, eos_token_id=None)
     assert torch.equal(plain, speculative)
     assert drafter.last_speculation_stats.alternative_hits >= 3
+
+
+def test_evaluation_measures_the_chain_and_restores_the_setting(targets):
+    from angelspec_hf.evaluation import alternatives_set
+
+    drafter = targets.fitted("llama", "mtp")
+    with alternatives_set(drafter, 0):
+        assert drafter.first_token_alternatives == 0
+    assert "first_token_alternatives" not in vars(drafter) and drafter.first_token_alternatives == 2
+    drafter.first_token_alternatives = 1
+    try:
+        with pytest.raises(RuntimeError), alternatives_set(drafter, 0):
+            raise RuntimeError("interrupted")
+        assert drafter.first_token_alternatives == 1
+    finally:
+        del drafter.first_token_alternatives
+
+
+def test_generate_on_two_threads_keeps_each_calls_alternatives_apart(targets, monkeypatch):
+    import threading
+
+    target = sharp_target("llama")
+    prompts = [targets.sequences("llama")[row:row + 1, :PROMPT_LENGTH] for row in (5, 6)]
+    plains = [target.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None) for prompt in prompts]
+    drafters = [untrained_drafter("mtp", target) for _ in prompts]
+    monkeypatch.setattr(AngelSpecPreTrainedModel, "alternatives_verify_width", 64)
+    finish = AngelSpecCandidateGenerator._finish_round
+
+    def rigged(self, input_ids, tokens, logits, seconds):
+        reference = plains[drafters.index(self.drafter)]
+        if self.alternatives and input_ids.shape[1] < reference.shape[1]:
+            truth = int(reference[0, input_ids.shape[1]])
+            tokens = tokens.clone()
+            tokens[0, 0] = (truth + 1) % target.config.vocab_size
+            self.drafted_alternatives = torch.tensor([truth])
+        return finish(self, input_ids, tokens, logits, seconds)
+
+    monkeypatch.setattr(AngelSpecCandidateGenerator, "_finish_round", rigged)
+    outputs: dict[int, list] = {0: [], 1: []}
+
+    def work(index: int) -> None:
+        for _ in range(3):
+            outputs[index].append(target.generate(prompts[index], assistant_model=drafters[index], max_new_tokens=20,
+                                                  do_sample=False, eos_token_id=None))
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index in (0, 1):
+        assert len(outputs[index]) == 3 and all(torch.equal(out, plains[index]) for out in outputs[index])
+        assert drafters[index].last_speculation_stats.alternative_hits >= 3
+    assert not target._forward_hooks and not target._forward_pre_hooks
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_alternatives_are_the_first_positions_runners_up(reduced):
+    from types import SimpleNamespace
+
+    from angelspec_hf.modeling_angelspec_common import BatchedDraft
+
+    def generator(alternatives: int):
+        return SimpleNamespace(drafter=SimpleNamespace(config=SimpleNamespace(vocab_size=50)), logits_processor=None,
+                               wants_draft_logits=False, policy=None, do_sample=False, alternatives=alternatives,
+                               drafted_alternatives=None, keep_drafting=lambda context: True)
+
+    rows = [generator(2), generator(0)]
+    token_ids = torch.arange(10, 20) if reduced else None
+    columns = 10 if reduced else 50
+    logits = torch.full((2, columns), -5.0)
+    logits[:, 3], logits[:, 7], logits[:, 1], logits[:, 4] = 4.0, 3.0, 2.0, 1.0
+    draft = BatchedDraft(rows, [torch.zeros(1, 4, dtype=torch.long)] * 2, [3, 3], token_ids)
+    chosen = draft.choose(logits, 0)
+    offset = 10 if reduced else 0
+    assert chosen[:, 0].tolist() == [3 + offset] * 2
+    assert rows[0].drafted_alternatives.tolist() == [7 + offset, 1 + offset] and rows[1].drafted_alternatives is None
+    rows[0].drafted_alternatives = None
+    draft.choose(logits, 1)  # later positions draft no alternatives
+    assert rows[0].drafted_alternatives is None

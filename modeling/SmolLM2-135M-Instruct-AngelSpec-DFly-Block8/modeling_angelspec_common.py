@@ -8,6 +8,7 @@ when it loads a drafter with ``trust_remote_code=True``.
 """
 
 import functools
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -1027,6 +1028,8 @@ class AlternativesVerification:
         self.generator, self.target = generator, target
         self.additive = target.dtype if target.config._attn_implementation == "eager" else None
         self.in_flight: tuple[Any, int, int, torch.Tensor] | None = None
+        # Another thread's `generate` on the same target runs its own forwards.
+        self.thread = threading.get_ident()
         self.handles = [
             target.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             target.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -1037,6 +1040,8 @@ class AlternativesVerification:
             handle.remove()
 
     def _before_forward(self, module, args, kwargs):
+        if threading.get_ident() != self.thread:
+            return None
         generator = self.generator
         alternatives, generator.pending_alternatives = generator.pending_alternatives, None
         self.in_flight = None
@@ -1053,6 +1058,8 @@ class AlternativesVerification:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(past, past + width, device=ids.device)[None]
+        if positions.dim() != 2:  # multimodal rotary positions (one row per axis): keep the chain
+            return None
         count = alternatives.numel()
         key_padding = kwargs.get("attention_mask")
         if key_padding is not None and key_padding.dim() != 2:
@@ -1067,7 +1074,7 @@ class AlternativesVerification:
         return args, kwargs
 
     def _after_forward(self, module, args, kwargs, output):
-        if self.in_flight is None:
+        if self.in_flight is None or threading.get_ident() != self.thread:
             return None
         cache, past, width, alternatives = self.in_flight
         self.in_flight = None
@@ -1089,15 +1096,16 @@ class AlternativesVerification:
         total = width + count
         if getattr(output, "hidden_states", None) is not None:
             output.hidden_states = tuple(
-                state[:, rows.to(state.device)] if torch.is_tensor(state) and state.shape[1] == total else state for state in output.hidden_states)
+                state[:, rows.to(state.device)] if torch.is_tensor(state) and state.shape[1] == total else state
+                for state in output.hidden_states)
         if hit is not None:
             for layer in cache.layers:
                 layer.keys[:, :, past + 1] = layer.keys[:, :, past + width + hit]
                 layer.values[:, :, past + 1] = layer.values[:, :, past + width + hit]
-            candidates[0, first_drafted] = alternatives[hit]
+            candidates[0, first_drafted] = int(alternatives[hit])
             if width > 2:
                 # The loop must stop after the alternative and the target's token that follows it.
-                following = output.logits[0, chain_start + 1].argmax()
+                following = int(output.logits[0, chain_start + 1].argmax())
                 candidates[0, first_drafted + 1] = (following + 1) % output.logits.shape[-1]
         cache.crop(-count)
         return output
@@ -1258,8 +1266,15 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
 # --------------------------------------------------------------------------- generate dispatch
 
 _DISPATCH_MARK = "_angelspec_hf_dispatch"
-# The alternatives' forward hooks of the `generate` call running on each target (removed when it ends).
-_ALTERNATIVES_IN_USE: "weakref.WeakKeyDictionary[PreTrainedModel, AlternativesVerification]" = weakref.WeakKeyDictionary()
+# The alternatives' forward hooks installed by the `generate` calls running on this thread (each
+# call removes its own when it ends; calls on other threads, as a Space's, keep theirs).
+_ALTERNATIVES_IN_USE = threading.local()
+
+
+def _alternatives_in_use() -> list["AlternativesVerification"]:
+    if not hasattr(_ALTERNATIVES_IN_USE, "stack"):
+        _ALTERNATIVES_IN_USE.stack = []
+    return _ALTERNATIVES_IN_USE.stack
 
 
 def install_generate_integration() -> None:
@@ -1289,12 +1304,13 @@ def install_generate_integration() -> None:
         assistant, generation_config = kwargs.get("assistant_model"), kwargs.get("generation_config")
         if ours(assistant, generation_config):
             assistant.validate_generate_call(input_ids, generation_config, kwargs)
+        in_use = _alternatives_in_use()
+        before = len(in_use)
         try:
             return assisted(self, input_ids, *args, **kwargs)
         finally:
-            verification = _ALTERNATIVES_IN_USE.pop(self, None)
-            if verification is not None:
-                verification.remove()
+            while len(in_use) > before:
+                in_use.pop().remove()
 
     def _get_candidate_generator(self, *args, **kwargs):
         assistant, generation_config = kwargs.get("assistant_model"), kwargs.get("generation_config")
@@ -1312,7 +1328,7 @@ def install_generate_integration() -> None:
             generator.alternatives = alternatives_for(generator, self, generation_config)
             generator.alternatives_width = int(getattr(assistant, "alternatives_verify_width", 0) or 0)
             if generator.alternatives:
-                _ALTERNATIVES_IN_USE[self] = AlternativesVerification(generator, self)
+                _alternatives_in_use().append(AlternativesVerification(generator, self))
         return generator
 
     for name, function in (

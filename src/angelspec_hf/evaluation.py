@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -40,12 +42,20 @@ def chat_inputs(tokenizer, prompt: str) -> dict[str, torch.Tensor]:
 
 def evaluate_drafter(
     target, tokenizer, drafter, prompts_by_domain: dict[str, list[str]], max_new_tokens: int = 128,
-    check_identity: bool = True,
+    check_identity: bool = True, first_token_alternatives: int = 0,
 ) -> dict[str, DomainResult]:
-    """Greedy generation with and without ``drafter`` on every prompt; returns per-domain results."""
+    """Greedy generation with and without ``drafter`` on every prompt; returns per-domain results.
+
+    tau is the drafter's chain alone by default: `generate` also verifies runner-up first tokens
+    beside it (``drafter.first_token_alternatives``, docs/dcut.md), which lifts tau without any
+    change to the drafter, so training curves and ablations stay comparable with each other and
+    with the numbers measured before alternatives existed. Pass ``first_token_alternatives`` to
+    measure what `generate` gets with them.
+    """
     results = {}
     total = sum(map(len, prompts_by_domain.values()))
-    with tqdm(total=total, desc="evaluating", unit="prompt") as bar, torch.no_grad():
+    with alternatives_set(drafter, first_token_alternatives), \
+            tqdm(total=total, desc="evaluating", unit="prompt") as bar, torch.no_grad():
         for domain, prompts in prompts_by_domain.items():
             result = results[domain] = DomainResult(domain)
             for prompt in prompts:
@@ -67,3 +77,18 @@ def evaluate_drafter(
                 bar.update(1)
             logger.info("%s: tau %.3f over %d prompts", domain, result.tau, result.prompts)
     return results
+
+
+@contextmanager
+def alternatives_set(drafter, count: int) -> Iterator[None]:
+    """``drafter.first_token_alternatives = count`` for the block, restored after it."""
+    own = "first_token_alternatives" in vars(drafter)
+    previous = getattr(drafter, "first_token_alternatives", 0)
+    drafter.first_token_alternatives = count
+    try:
+        yield
+    finally:
+        if own:
+            drafter.first_token_alternatives = previous
+        else:
+            del drafter.first_token_alternatives
