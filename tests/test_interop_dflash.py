@@ -98,7 +98,8 @@ def test_convert_command_both_ways(targets, tmp_path):
 
 def test_transformers_own_dflash_path_reproduces_our_drafts(targets, tmp_path):
     """The export runs through transformers' speculation_type="dflash" with its own assistant class:
-    same tokens, and the same number of target forwards (so the same acceptance every round)."""
+    same tokens, and the same number of target forwards (so the same acceptance every round) as our
+    chain (first-token alternatives, which transformers' path lacks, off)."""
     from transformers import AutoModel
 
     from angelspec_hf.interop import export_transformers_dflash
@@ -109,6 +110,7 @@ def test_transformers_own_dflash_path_reproduces_our_drafts(targets, tmp_path):
     assert type(theirs).__name__ == "MuseGlimmerAssistantModel"
     calls = []
     hook = target.register_forward_hook(lambda *args: calls.append(1))
+    drafter.first_token_alternatives = 0
     try:
         for prompt in targets.sequences("llama")[:3, :PROMPT_LENGTH]:
             prompt = prompt[None]
@@ -123,3 +125,4 @@ def test_transformers_own_dflash_path_reproduces_our_drafts(targets, tmp_path):
             assert sum(drafter.last_speculation_stats.accepted) > 0
     finally:
         hook.remove()
+        del drafter.first_token_alternatives
