@@ -146,12 +146,19 @@ def test_eager_attention_target(targets, monkeypatch):
     assert drafter.last_speculation_stats.alternative_hits >= 1
 
 
-def verify_widths(target) -> tuple[list[int], object]:
+def generate_recording_widths(target, drafter, prompt, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """Greedy speculative output, and the number of new tokens each target forward was called with
+    (before our hook widens it)."""
     widths: list[int] = []
     handle = target.register_forward_pre_hook(
         lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]) if "input_ids" in kwargs else None,
         with_kwargs=True)
-    return widths, handle
+    try:
+        output = target.generate(prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None)
+    finally:
+        handle.remove()
+    return output, widths
 
 
 def test_off_where_the_call_or_target_does_not_allow_them(targets, monkeypatch):
@@ -187,11 +194,7 @@ def test_sliding_window_cache_verifies_the_chain_only(targets, monkeypatch):
     prompt = targets.sequences("llama")[5:6, :PROMPT_LENGTH]
     plain = target.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None)
     oracle_rounds(monkeypatch, plain, target.config.vocab_size)
-    widths, handle = verify_widths(target)
-    try:
-        speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=16, do_sample=False, eos_token_id=None)
-    finally:
-        handle.remove()
+    speculative, widths = generate_recording_widths(target, drafter, prompt, 16)
     assert torch.equal(plain, speculative)
     stats = drafter.last_speculation_stats
     assert stats.alternative_hits == 0 and widths[1:] == [drafted + 1 for drafted in stats.drafted]
@@ -259,11 +262,7 @@ def test_alternatives_stay_within_the_verify_width(targets, kind):
     drafter = untrained_drafter(kind, target)  # MTP drafts 4 (a forward of 5), DFly 5 (a forward of 6)
     prompt = targets.sequences("llama")[5:6, :PROMPT_LENGTH]
     plain = target.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
-    widths, handle = verify_widths(target)
-    try:
-        speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False, eos_token_id=None)
-    finally:
-        handle.remove()
+    speculative, widths = generate_recording_widths(target, drafter, prompt, 24)
     assert torch.equal(plain, speculative)
     stats = drafter.last_speculation_stats
     # Our hook runs after the recording one, so each recorded width is the chain's; the forward
