@@ -373,3 +373,19 @@ def test_alternatives_are_the_first_positions_runners_up(reduced):
     rows[0].drafted_alternatives = None
     draft.choose(logits, 1)  # later positions draft no alternatives
     assert rows[0].drafted_alternatives is None
+
+
+def test_scores_of_tokens_won_by_alternatives(targets, monkeypatch):
+    target = sharp_target("qwen3")
+    drafter = untrained_drafter("mtp", target)
+    prompt = targets.sequences("qwen3")[5:6, :PROMPT_LENGTH]
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)
+    plain = target.generate(prompt, **kwargs)
+    oracle_rounds(monkeypatch, plain.sequences, target.config.vocab_size)
+    speculative = target.generate(prompt, assistant_model=drafter, **kwargs)
+    assert torch.equal(plain.sequences, speculative.sequences)
+    assert drafter.last_speculation_stats.alternative_hits >= 3
+    assert len(speculative.scores) == len(plain.scores) == 16
+    for ours, theirs in zip(speculative.logits, plain.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
