@@ -58,6 +58,17 @@ def untrained_drafter(kind: str, target):
     return DFlyDrafter.from_target(target, block_size=6, conditioning="hybrid", hidden_correction=True)
 
 
+def assert_identical_through_alternatives(targets, monkeypatch, target, drafter, max_new_tokens: int = 24) -> None:
+    """Greedy output equals plain decoding's when every round can only gain through an alternative."""
+    prompt = targets.sequences("llama")[5:6, :PROMPT_LENGTH]
+    plain = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
+    oracle_rounds(monkeypatch, plain, target.config.vocab_size)
+    speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=None)
+    assert torch.equal(plain, speculative)
+    assert drafter.last_speculation_stats.alternative_hits >= 3
+
+
 def test_tree_mask_rows():
     # Past keys 0-2 (key 0 is padding), the committed token at 3, drafts at 4-5, alternatives at 6-7.
     mask = tree_attention_mask(torch.tensor([[0, 1, 1, 1, 1, 1]]), past=3, width=3, alternatives=2, additive_dtype=None)
@@ -133,17 +144,9 @@ def test_left_padded_prompt_with_alternatives(targets, monkeypatch):
 
 
 def test_eager_attention_target(targets, monkeypatch):
-    target = tiny_target("llama", seed=3)
+    target = sharp_target("llama")
     target.set_attn_implementation("eager")
-    from angelspec_hf import MTPDrafter
-
-    drafter = MTPDrafter.from_target(target, num_draft_tokens=3)
-    prompt = targets.sequences("llama")[5:6, :PROMPT_LENGTH]
-    plain = target.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None)
-    oracle_rounds(monkeypatch, plain, target.config.vocab_size)
-    speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=16, do_sample=False, eos_token_id=None)
-    assert torch.equal(plain, speculative)
-    assert drafter.last_speculation_stats.alternative_hits >= 1
+    assert_identical_through_alternatives(targets, monkeypatch, target, untrained_drafter("mtp", target))
 
 
 def generate_recording_widths(target, drafter, prompt, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
@@ -287,12 +290,7 @@ def test_exact_bfloat16_verification_with_alternatives(targets, monkeypatch):
     target = sharp_target("llama").to(torch.bfloat16)
     make_verification_exact(target, max_rows=10)
     drafter = untrained_drafter("mtp", target).to(torch.bfloat16)
-    prompt = targets.sequences("llama")[5:6, :PROMPT_LENGTH]
-    plain = target.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
-    oracle_rounds(monkeypatch, plain, target.config.vocab_size)
-    speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False, eos_token_id=None)
-    assert torch.equal(plain, speculative)
-    assert drafter.last_speculation_stats.alternative_hits >= 3
+    assert_identical_through_alternatives(targets, monkeypatch, target, drafter)
 
 
 def test_evaluation_measures_the_chain_and_restores_the_setting(targets):
