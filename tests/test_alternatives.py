@@ -179,11 +179,10 @@ def test_off_where_the_call_or_target_does_not_allow_them(targets, monkeypatch):
         kwargs.setdefault("do_sample", False)
         target.generate(prompt, assistant_model=drafter, max_new_tokens=12, eos_token_id=None, **kwargs)
         assert drafter.last_speculation_stats.alternative_hits == 0, kwargs
-    drafter.first_token_alternatives = 0
-    try:
+    from angelspec_hf.evaluation import alternatives_set
+
+    with alternatives_set(drafter, 0):
         speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False, eos_token_id=None)
-    finally:
-        del drafter.first_token_alternatives
     assert torch.equal(plain, speculative) and drafter.last_speculation_stats.alternative_hits == 0
     # No forward hook outlives a call.
     assert not target._forward_hooks and not target._forward_pre_hooks

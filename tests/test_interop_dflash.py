@@ -102,6 +102,7 @@ def test_transformers_own_dflash_path_reproduces_our_drafts(targets, tmp_path):
     chain (first-token alternatives, which transformers' path lacks, off)."""
     from transformers import AutoModel
 
+    from angelspec_hf.evaluation import alternatives_set
     from angelspec_hf.interop import export_transformers_dflash
 
     target, drafter = targets.target("llama"), targets.fitted("llama", "dfly-global-nocorr")
@@ -110,12 +111,13 @@ def test_transformers_own_dflash_path_reproduces_our_drafts(targets, tmp_path):
     assert type(theirs).__name__ == "MuseGlimmerAssistantModel"
     calls = []
     hook = target.register_forward_hook(lambda *args: calls.append(1))
-    drafter.first_token_alternatives = 0
     try:
         for prompt in targets.sequences("llama")[:3, :PROMPT_LENGTH]:
             prompt = prompt[None]
             calls.clear()
-            ours = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False, eos_token_id=None)
+            with alternatives_set(drafter, 0):
+                ours = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False,
+                                       eos_token_id=None)
             our_forwards = len(calls)
             calls.clear()
             native = target.generate(prompt, assistant_model=theirs, speculation_type="dflash", max_new_tokens=24,
@@ -125,4 +127,3 @@ def test_transformers_own_dflash_path_reproduces_our_drafts(targets, tmp_path):
             assert sum(drafter.last_speculation_stats.accepted) > 0
     finally:
         hook.remove()
-        del drafter.first_token_alternatives

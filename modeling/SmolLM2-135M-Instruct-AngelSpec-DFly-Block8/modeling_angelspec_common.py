@@ -952,10 +952,20 @@ def tree_attention_mask(key_padding: torch.Tensor | None, past: int, width: int,
     if key_padding is not None:
         visible = visible.to(key_padding.device).clone()
         visible[..., :past] &= key_padding[:, None, None, :past].bool()
+    return in_mask_form(visible, additive_dtype)
+
+
+def in_mask_form(visible: torch.Tensor, additive_dtype: torch.dtype | None) -> torch.Tensor:
+    """A boolean visibility mask as the attention takes it: as is, or additive in ``additive_dtype``."""
     if additive_dtype is None:
         return visible
     return torch.zeros(visible.shape, dtype=additive_dtype, device=visible.device).masked_fill_(
         ~visible, torch.finfo(additive_dtype).min)
+
+
+def tree_mask_dtype(target: PreTrainedModel) -> torch.dtype | None:
+    """Eager attention adds its mask to the scores (in the target's dtype); the others take booleans."""
+    return target.dtype if target.config._attn_implementation == "eager" else None
 
 
 def tree_cache_ready(cache: Any) -> bool:
@@ -983,15 +993,13 @@ def target_applies_tree_masks(target: PreTrainedModel) -> bool:
     device = target.get_input_embeddings().weight.device
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, target.config.get_text_config().vocab_size, (1, 7), generator=generator).to(device)
-    additive = target.dtype if implementation == "eager" else None
     # Tokens t0..t6: t5 verified as an alternative to t6 (both at position 5, after t0..t4) must get
     # the logits it gets as the chain's token.
     past = 4
     visible = torch.zeros(1, 1, 7, 7, dtype=torch.bool)
     visible[0, 0, :past, :past] = torch.ones(past, past, dtype=torch.bool).tril()
     visible[..., past:, :] = tree_attention_mask(None, past, 2, 1, None)
-    mask = visible if additive is None else torch.zeros(visible.shape, dtype=additive).masked_fill_(
-        ~visible, torch.finfo(additive).min)
+    mask = in_mask_form(visible, tree_mask_dtype(target))
     ids = torch.cat([tokens[:, :past + 1], tokens[:, 6:7], tokens[:, 5:6]], dim=-1)
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 5]], device=device)
     try:
@@ -1025,8 +1033,8 @@ class AlternativesVerification:
     """
 
     def __init__(self, generator: "AngelSpecCandidateGenerator", target: PreTrainedModel):
-        self.generator, self.target = generator, target
-        self.additive = target.dtype if target.config._attn_implementation == "eager" else None
+        self.generator = generator
+        self.additive = tree_mask_dtype(target)
         self.in_flight: tuple[Any, int, int, torch.Tensor] | None = None
         # Another thread's `generate` on the same target runs its own forwards.
         self.thread = threading.get_ident()
@@ -1067,8 +1075,9 @@ class AlternativesVerification:
         kwargs["input_ids"] = torch.cat([ids, alternatives.to(ids.device)[None]], dim=-1)
         kwargs["position_ids"] = torch.cat([positions, positions[:, 1:2].expand(1, count)], dim=-1)
         kwargs["attention_mask"] = tree_attention_mask(key_padding, past, width, count, self.additive).to(ids.device)
-        if isinstance(kwargs.get("logits_to_keep"), int) and kwargs["logits_to_keep"] > 0:
-            kwargs["logits_to_keep"] += count
+        if "logits_to_keep" in kwargs:
+            # Logits of every token of the forward: the chain's and the alternatives'.
+            kwargs["logits_to_keep"] = width + count
         self.in_flight = (cache, past, width, alternatives)
         generator.last_alternatives_verified = count
         return args, kwargs
@@ -1079,9 +1088,8 @@ class AlternativesVerification:
         cache, past, width, alternatives = self.in_flight
         self.in_flight = None
         count = alternatives.numel()
-        logits = output.logits
-        chain_start = logits.shape[1] - width - count
-        picked = logits[0, chain_start].argmax()
+        logits = output.logits  # one row per token of the forward (see `_before_forward`)
+        picked = logits[0, 0].argmax()
         candidates = self.generator.last_candidates
         first_drafted = candidates.shape[1] - (width - 1)
         hit = None
@@ -1092,7 +1100,7 @@ class AlternativesVerification:
         rows = torch.arange(width, device=logits.device)
         if hit is not None:
             rows[1] = width + hit
-        output.logits = torch.cat([logits[:, :chain_start], logits[:, chain_start:][:, rows]], dim=1)
+        output.logits = logits[:, rows]
         total = width + count
         if getattr(output, "hidden_states", None) is not None:
             output.hidden_states = tuple(
@@ -1105,7 +1113,7 @@ class AlternativesVerification:
             candidates[0, first_drafted] = int(alternatives[hit])
             if width > 2:
                 # The loop must stop after the alternative and the target's token that follows it.
-                following = int(output.logits[0, chain_start + 1].argmax())
+                following = int(output.logits[0, 1].argmax())
                 candidates[0, first_drafted + 1] = (following + 1) % output.logits.shape[-1]
         cache.crop(-count)
         return output
