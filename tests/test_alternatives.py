@@ -386,3 +386,15 @@ def test_scores_of_tokens_won_by_alternatives(targets, monkeypatch):
     assert len(speculative.scores) == len(plain.scores) == 16
     for ours, theirs in zip(speculative.logits, plain.logits):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_negative_number_of_alternatives_is_refused_by_name(targets):
+    from angelspec_hf.errors import DrafterConfigError
+
+    target = sharp_target("llama")
+    drafter = untrained_drafter("mtp", target)
+    drafter.first_token_alternatives = -1
+    with pytest.raises(DrafterConfigError, match="first_token_alternatives"):
+        target.generate(targets.sequences("llama")[5:6, :PROMPT_LENGTH], assistant_model=drafter, max_new_tokens=4,
+                        do_sample=False)
+    assert not target._forward_hooks and not target._forward_pre_hooks

@@ -1047,8 +1047,11 @@ class AlternativesVerification:
         for handle in self.handles:
             handle.remove()
 
-    def _before_forward(self, module, args, kwargs):
-        if threading.get_ident() != self.thread:
+    # torch decides between the with- and without-kwargs call when it calls a hook, not when it
+    # snapshots the hooks: another thread's forward may call this hook after `remove`, without
+    # kwargs. Both hooks accept that call and leave such a forward alone.
+    def _before_forward(self, module, args, kwargs=None):
+        if kwargs is None or threading.get_ident() != self.thread:
             return None
         generator = self.generator
         alternatives, generator.pending_alternatives = generator.pending_alternatives, None
@@ -1082,9 +1085,10 @@ class AlternativesVerification:
         generator.last_alternatives_verified = count
         return args, kwargs
 
-    def _after_forward(self, module, args, kwargs, output):
-        if self.in_flight is None or threading.get_ident() != self.thread:
+    def _after_forward(self, module, args, *kwargs_and_output):
+        if len(kwargs_and_output) != 2 or self.in_flight is None or threading.get_ident() != self.thread:
             return None
+        output = kwargs_and_output[1]
         cache, past, width, alternatives = self.in_flight
         self.in_flight = None
         count = alternatives.numel()
@@ -1139,7 +1143,7 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
     # `alternatives_verify_width` tokens wide: on the reference target on one CPU thread (AVX-512
     # EPYC, float32 packed linears) a forward of 4 or 6 new tokens took 60.4 / 60.6 ms and one of 7
     # took 69.1 ms, so MTP's chain of 3 gets two alternatives for free and an 8-wide block draft
-    # none (one more cost DFly-Block8 4% on code). A GPU verifies many more tokens for the price of
+    # none (forced beside it, one was level and two cost DFly-Block8 4% on code). A GPU verifies many more tokens for the price of
     # one: raise the width there. Set either per instance; 0 alternatives turns them off.
     first_token_alternatives: int = 2
     alternatives_verify_width: int = 6
