@@ -8,7 +8,7 @@ import torch
 
 from angelspec_hf import DFlyDrafter, MTPDrafter
 from angelspec_hf.errors import DrafterTargetMismatchError, UnsupportedCacheError
-from angelspec_hf.generation.engine import EngineRequestError, SpeculativeEngine
+from angelspec_hf.generation.engine import EngineRequestError, SpeculativeEngine, prefill_groups
 from angelspec_hf.reference import tiny_target
 from fitting import fit_dfly, fit_mtp, target_sequences
 
@@ -225,6 +225,46 @@ def test_requests_submitted_while_others_decode_join_and_match_plain(setup):
         assert prompts[i] + outputs[request] == plain(target, prompts[i], max_new_tokens=n, eos_token_id=e, pad_token_id=0)
     assert outputs[list(late)[0]][-1] == eos and len(outputs[list(late)[0]]) < 20
     assert engine.step() == [] and not engine.has_work
+
+
+def test_prefill_groups_bound_padding_and_forward_size():
+    # Longest first; a prompt joins while the group padded to its longest is within 1.25x its real tokens.
+    assert prefill_groups([100, 90, 45, 80, 40]) == [[0, 1, 3], [2, 4]]
+    assert prefill_groups([100, 90, 50, 80, 40]) == [[0, 1, 3, 2], [4]]  # 400 padded slots for 320 real ones: at the bound
+    assert prefill_groups([10, 10, 10]) == [[0, 1, 2]]
+    assert prefill_groups([10, 10, 10], max_tokens=20) == [[0, 1], [2]]
+    assert prefill_groups([10, 7], padding=0.0) == [[0], [1]]
+    assert prefill_groups([3000, 5]) == [[0], [1]]  # a prompt over the forward size goes alone
+    assert prefill_groups([]) == []
+    lengths = torch.randint(1, 400, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    groups = prefill_groups(lengths)
+    assert sorted(i for group in groups for i in group) == list(range(60))
+    for group in groups:
+        padded = max(lengths[i] for i in group) * len(group)
+        assert len(group) == 1 or (padded <= 1.25 * sum(lengths[i] for i in group) and padded <= 2048)
+
+
+@pytest.mark.parametrize("keeps_logits", [True, False])
+def test_joining_prompts_are_prefilled_by_length_and_stay_plain(setup, keeps_logits):
+    target, drafters, _ = setup
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 96, (n,), generator=generator).tolist() for n in (5, 40, 6, 37, 4, 18)]
+    engine = SpeculativeEngine(target, drafters["mtp"], max_batch_size=6)
+    engine.keeps_logits = keeps_logits  # a target whose forward takes no logits_to_keep
+    calls = []
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((tuple(kwargs["input_ids"].shape), kwargs.get("logits_to_keep"))),
+        with_kwargs=True)
+    try:
+        outputs = engine.generate(prompts, max_new_tokens=12)
+    finally:
+        hook.remove()
+    # One forward per group of similar lengths, each keeping the logits from its shortest prompt's last token on.
+    assert calls[:3] == [((2, 40), 4 if keeps_logits else None), ((1, 18), 1 if keeps_logits else None),
+                         ((3, 6), 3 if keeps_logits else None)]
+    assert calls[3][0][0] == 6, "then every row decodes in one batch"
+    for prompt, output in zip(prompts, outputs):
+        assert output == plain(target, prompt, max_new_tokens=12, eos_token_id=None)
 
 
 def test_submit_refuses_a_bad_request_and_stream_a_busy_engine(setup):
