@@ -398,11 +398,12 @@ def test_the_engine_gate_rides_out_a_dip_and_closes_on_a_steady_loss():
         DraftGate(close_below=1.5)
 
 
-@pytest.mark.parametrize("budget, wait", [(None, 16), (0.02, 400), (0.5, 16)])
+@pytest.mark.parametrize("budget, wait", [(None, 16), (0.02, 400), (0.5, 16), ("default", 1600)])
 def test_batch_retries_wait_until_their_loss_fits_the_probe_budget(budget, wait):
     from angelspec_hf.generation import BatchDCutPolicy
 
-    policy = BatchDCutPolicy(batch16_cost(), explore_every=8, probe_budget=budget)
+    budget = {} if budget == "default" else {"probe_budget": budget}  # the default: 0.5% of the time
+    policy = BatchDCutPolicy(batch16_cost(), explore_every=8, **budget)
     # 16 rows drafted, none accepted: 2 s drafting + 16 s verifying for 16 tokens a plain step
     # makes in 2 s, so the round lost 8 plain steps.
     policy.observe([([0.9] * 7, 0)] * 16, batch=16, width=8, context=10, draft_seconds=2.0)

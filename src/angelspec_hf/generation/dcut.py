@@ -389,8 +389,15 @@ class BatchDCutPolicy(_PacedPolicy):
     widening of the window; the rows that did not draft are shared out between the drafters in
     proportion to their drafting rows), which for one drafter is the step's own rate.
 
-    ``probe_budget`` (default 2%) bounds the time that retries which do not pay may take (see
-    `DraftGate`); ``None`` leaves only the doubling wait.
+    ``probe_budget`` (default 0.5%) bounds the time that retries which do not pay may take (see
+    `DraftGate`); ``None`` leaves only the doubling wait. Why 0.5% (2% until session 54): with the
+    engine's prefill grouped, a pass of plain batched decoding at concurrency 16 takes a quarter
+    less time, and the retries at a full batch, where drafting never pays on a CPU, weigh that much
+    more. Paired with plain batched decoding on the main job's 32 requests (reference target, 2
+    threads, 2 reps each, `logs/s54/budget_ab.py`): DFlash-Block8 + D-cut 0.949x / 0.950x with 2%
+    (7-8 drafting steps), 0.978x / 0.972x with 0.5% (4); MTP-TTT3 + D-cut 0.989x / 0.987x against
+    0.978x / 0.992x; the router over the three at concurrency 4 1.247x / 1.266x against 1.277x /
+    1.269x. (Session 50 had found 0.5% level with 2%, 1.075x against 1.067x, inside its spread.)
 
     Each gate averages about 20 drafting steps (``smoothing`` 0.05) and closes below 1, as batch 1's
     does. Why not a short average with a margin (0.2 and 0.9 until session 52): the margin kept a
@@ -400,7 +407,7 @@ class BatchDCutPolicy(_PacedPolicy):
     """
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.05, max_backoff: int = 8,
-                 probe_budget: float | None = 0.02, track_pace: bool = True, close_below: float = 1.0):
+                 probe_budget: float | None = 0.005, track_pace: bool = True, close_below: float = 1.0):
         super().__init__(cost_model, explore_every, smoothing, max_backoff, probe_budget, track_pace, close_below)
         self.windows: list[int] = []  # chosen window of every drafting step, for reports
         self.gates: dict[str | None, ArmGate] = {}
