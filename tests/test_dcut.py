@@ -308,6 +308,30 @@ def batch16_cost() -> CostModel:
                      seconds=[[[1.0, 1.0], [1.2, 1.2]], [[2.0, 2.0], [16.0, 16.0]]])
 
 
+def test_a_drafters_first_batch_step_waits_until_a_miss_is_cheap():
+    from angelspec_hf.generation import BatchDCutPolicy
+
+    # Batch 16 strictly compute-bound: one draft token a row costs more than two plain steps.
+    steep = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 100], batch_sizes=[1, 16],
+                      seconds=[[[1.0, 1.0], [1.2, 1.2]], [[2.0, 2.0], [20.0, 20.0]]])
+    policy = BatchDCutPolicy(steep, explore_every=1000)
+    assert policy.first_window(16, 10) == 1 and not policy.should_draft(16, 10, True, arm="a")
+    assert policy.first_window(1, 10) > 8 and policy.should_draft(1, 10, True, arm="a")
+    # Measured once (here at batch 1, where it paid), the drafter is gated as usual at any batch.
+    policy.observe([([0.9] * 7, 7)], batch=1, width=8, context=10, draft_seconds=0.01, arms=["a"])
+    assert policy.gate_for("a").paying and policy.should_draft(16, 10, True, arm="a")
+
+    # Until measured, the window stops where it would cost two plain steps: a window of 4 here.
+    mild = CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 100], batch_sizes=[1, 16],
+                     seconds=[[[1.0, 1.0], [1.2, 1.2]], [[2.0, 2.0], [6.0, 6.0]]])
+    policy = BatchDCutPolicy(mild, explore_every=1000)
+    certain = [[0.999] * 7] * 16
+    assert policy.first_window(16, 10) == 4
+    assert policy.window(certain, batch=16, context=10, arms=["a"] * 16) == 4
+    policy.observe([(c, 7) for c in certain], batch=16, width=4, context=10, draft_seconds=0.01, arms=["a"] * 16)
+    assert policy.window(certain, batch=16, context=10, arms=["a"] * 16) == 8
+
+
 def test_batch_dcut_drafts_less_as_the_batch_grows():
     from angelspec_hf.generation import BatchDCutPolicy
 

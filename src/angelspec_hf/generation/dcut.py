@@ -372,6 +372,12 @@ class ArmGate(DraftGate):
         self.expected_gain: float | None = None  # this drafter's share of what `window` expected of that step
 
 
+# A drafter's first step in a batch (see `BatchDCutPolicy.should_draft`): its verify window may cost at
+# most this many plain steps, searched up to `FIRST_WINDOW_LIMIT` tokens.
+FIRST_STEP_COST = 2.0
+FIRST_WINDOW_LIMIT = 64
+
+
 class BatchDCutPolicy(_PacedPolicy):
     """D-cut across the requests of a batched engine step (see the module docstring).
 
@@ -455,13 +461,36 @@ class BatchDCutPolicy(_PacedPolicy):
     def verify(self, batch: int, context: int):
         return lambda width: self.cost_model.verify_seconds(width, context, batch)
 
+    def first_window(self, batch: int, context: int) -> int:
+        """The widest verify window costing at most `FIRST_STEP_COST` plain steps at ``batch`` rows and
+        ``context``: what a drafter's first, unmeasured step may verify (see `should_draft`)."""
+        verify = self.verify(batch, context)
+        limit, width = FIRST_STEP_COST * verify(1), 1
+        while width < FIRST_WINDOW_LIMIT and verify(width + 1) <= limit:
+            width += 1
+        return width
+
     def should_draft(self, batch: int | None = None, context: int | None = None, queued: bool = True,
                      arm: str | None = None) -> bool:
         """Whether ``arm``'s rows draft this step: while its drafting pays; else when
         `predicted_efficiency` says the batch or context has changed enough that it would pay now;
         else on the timed retries of `DraftGate`. The engine passes the step's active rows, context
-        and queue state, and asks once per drafter."""
+        and queue state, and asks once per drafter.
+
+        A drafter's first step, taken on raw confidences, waits for a batch and context at which a
+        miss is cheap: where verifying one draft token per row costs at most `FIRST_STEP_COST` plain
+        steps, and its window is capped at `first_window` there. Why: on a CPU a full batch is
+        compute-bound (reference target, concurrency 16: a window of 2 costs 2.0x a plain step, of 8
+        3.9x), so the first step drafted 7 tokens a row, had every drafter read every row's prompt,
+        and cost about 0.7% of a pass each; the router took three of them (one per drafter). Deferred
+        (paired with plain batched decoding, the main job's 32 requests, 2 reps each,
+        `logs/s54/safe_first_ab.py`): the router 0.925x / 0.946x -> 0.962x / 0.992x; one more rep each
+        (`logs/s54/first_window_ab.py`): DFlash-Block8 + D-cut 0.958x -> 0.998x, the router 0.949x ->
+        0.982x, and at concurrency 4, where the cap is 8 or more, the router 1.277x. Where a forward is
+        not compute-bound (a GPU, small batches) nothing changes."""
         gate = self.gate_for(arm)
+        if gate.efficiency is None and batch is not None and context is not None and self.first_window(batch, context) < 2:
+            return False
         # A step under the other objective (the queue filled or emptied) is not repriced: timed retries.
         if not gate.paying and batch is not None and context is not None and self.reopens(arm, batch, context, queued):
             gate.skipped = 0
@@ -511,6 +540,8 @@ class BatchDCutPolicy(_PacedPolicy):
             sunk = sum(self.gate_for(arm).row_draft_seconds or 0.0 for arm in arms)
             width = best_window(survivals + [[]] * (batch - len(confidences)), self.verify(batch, context),
                                 slowest_row=not queued, sunk_seconds=sunk, remaining=remaining)
+        if any(self.gate_for(arm).efficiency is None for arm in dict.fromkeys(arms)):
+            width = min(width, self.first_window(batch, context))
         for arm in dict.fromkeys(arms):
             gate = self.gate_for(arm)
             gate.drafting_rows = arms.count(arm)
