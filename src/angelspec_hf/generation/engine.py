@@ -542,14 +542,15 @@ class SpeculativeEngine:
     def _forward(self, input_ids, cache_valid, window_valid, position_ids, cache, logits_to_keep: int | None = None):
         """The target's forward over a window of ``input_ids`` (``window_valid``: its real slots) at
         ``position_ids``, after the cache columns ``cache_valid`` marks as committed; with
-        ``logits_to_keep``, the logits of that many last positions only (targets that take it)."""
+        ``logits_to_keep`` (only for targets that take it, `keeps_logits`), the logits of that many
+        last positions only."""
         mask = torch.cat([cache_valid, window_valid], dim=1)
         if self.attention_windows is not None:
             mask = self._position_masks(mask, torch.cat([cache_valid.long().cumsum(1) - 1, position_ids], dim=1),
                                         position_ids)
         else:
             mask = mask.long()
-        extra = {"logits_to_keep": logits_to_keep} if logits_to_keep is not None and self.keeps_logits else {}
+        extra = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
         return self.target(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=True, output_hidden_states=self.state_indices, **extra)
 
@@ -629,13 +630,14 @@ class SpeculativeEngine:
         """Prefill the joining prompts, in groups of similar length (`prefill_groups`), each in a cache
         of its own, take their first tokens and merge the caches into the batch's; the joined rows in
         the order of the merged cache's rows."""
+        parts = [] if cache is None else [(cache, valid)]
         joined = []
         for group in prefill_groups([row.prompt_length for row in joining]):
             members = [joining[i] for i in group]
-            new_cache, new_valid = self._prefill(members)
-            cache, valid = (new_cache, new_valid) if cache is None else self._merge(cache, valid, new_cache, new_valid)
+            parts.append(self._prefill(members))
             joined += members
-        return cache, valid, joined
+        # One concatenation for all groups: merging them one by one copied the batch's cache once a group.
+        return *self._merge(parts), joined
 
     def _prefill(self, joining: list[_Row]):
         """One forward over the prompts of ``joining``, right-padded to the longest; the new cache and
@@ -650,25 +652,32 @@ class SpeculativeEngine:
         positions = torch.arange(width, device=device)[None].expand(len(joining), -1)
         # Only the last prompt token's logits are used; the lm_head over every prompt position was a
         # fifth of a prefill's time (reference target, 2 threads, 64-320 tokens a prompt).
-        keep = width - min(row.prompt_length for row in joining) + 1 if self.keeps_logits else width
+        keep = width - min(row.prompt_length for row in joining) + 1 if self.keeps_logits else None
+        skipped = width - (keep or width)  # leading positions without logits
         # Layers that keep every column, sliding-window ones too (see `attention_windows`, which refuses
         # every other layer type), so that rows can be merged and dead columns trimmed.
         new_cache = DynamicCache()
         out = self._forward(ids, mask[:, :0], mask, positions, new_cache, logits_to_keep=keep)
         for i, row in enumerate(joining):
-            row.tokens.append(self._choose(row, row.tokens, out.logits[i, row.prompt_length - 1 - (width - keep)]))
+            row.tokens.append(self._choose(row, row.tokens, out.logits[i, row.prompt_length - 1 - skipped]))
             self._assign_drafters(row)
             self._queue_outputs(row, self._row_outputs(out, i, row.prompt_length))
             self._capture(row, out, i, row.prompt_length)
         return new_cache, mask
 
-    def _merge(self, cache, valid, new_cache, new_valid):
-        length = max(valid.shape[1], new_valid.shape[1])
-        for layer, new_layer in zip(cache.layers, new_cache.layers):
-            layer.keys = torch.cat([_pad_left(layer.keys, length, 2), _pad_left(new_layer.keys, length, 2)])
-            layer.values = torch.cat([_pad_left(layer.values, length, 2), _pad_left(new_layer.values, length, 2)])
-        merged = torch.cat([_pad_left(valid, length, 1, False), _pad_left(new_valid, length, 1, False)])
-        return cache, merged
+    @staticmethod
+    def _merge(parts: list[tuple[DynamicCache, torch.Tensor]]) -> tuple[DynamicCache, torch.Tensor]:
+        """Caches and their valid columns stacked row-wise in the given order (the first cache, its
+        layers replaced), each left-padded to the longest with invalid columns."""
+        cache = parts[0][0]
+        if len(parts) == 1:
+            return parts[0]
+        length = max(valid.shape[1] for _, valid in parts)
+        for index, layer in enumerate(cache.layers):
+            layers = [part.layers[index] for part, _ in parts]
+            layer.keys = torch.cat([_pad_left(other.keys, length, 2) for other in layers])
+            layer.values = torch.cat([_pad_left(other.values, length, 2) for other in layers])
+        return cache, torch.cat([_pad_left(valid, length, 1, False) for _, valid in parts])
 
     @staticmethod
     def _trim(cache, valid):
