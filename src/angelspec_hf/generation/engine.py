@@ -50,12 +50,13 @@ from types import SimpleNamespace
 from typing import Iterator
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import AngelSpecError, UnsupportedCacheError
 from ..modeling_angelspec_common import sample_tokens, wait_for_device
+from .buffered_cache import BufferedCache
 from .dcut import FixedLengthPolicy, moving_average
 from .exact import ATTENTION_NAME
 
@@ -656,7 +657,7 @@ class SpeculativeEngine:
         skipped = width - (keep or width)  # leading positions without logits
         # Layers that keep every column, sliding-window ones too (see `attention_windows`, which refuses
         # every other layer type), so that rows can be merged and dead columns trimmed.
-        new_cache = DynamicCache()
+        new_cache = BufferedCache()
         out = self._forward(ids, mask[:, :0], mask, positions, new_cache, logits_to_keep=keep)
         for i, row in enumerate(joining):
             row.tokens.append(self._choose(row, row.tokens, out.logits[i, row.prompt_length - 1 - skipped]))
@@ -666,7 +667,7 @@ class SpeculativeEngine:
         return new_cache, mask
 
     @staticmethod
-    def _merge(parts: list[tuple[DynamicCache, torch.Tensor]]) -> tuple[DynamicCache, torch.Tensor]:
+    def _merge(parts: list[tuple[BufferedCache, torch.Tensor]]) -> tuple[BufferedCache, torch.Tensor]:
         """Caches and their valid columns stacked row-wise in the given order (the first cache, its
         layers replaced), each left-padded to the longest with invalid columns."""
         cache = parts[0][0]
@@ -674,9 +675,7 @@ class SpeculativeEngine:
             return parts[0]
         length = max(valid.shape[1] for _, valid in parts)
         for index, layer in enumerate(cache.layers):
-            layers = [part.layers[index] for part, _ in parts]
-            layer.keys = torch.cat([_pad_left(other.keys, length, 2) for other in layers])
-            layer.values = torch.cat([_pad_left(other.values, length, 2) for other in layers])
+            layer.stack([part.layers[index] for part, _ in parts], length)
         return cache, torch.cat([_pad_left(valid, length, 1, False) for _, valid in parts])
 
     @staticmethod
@@ -684,16 +683,16 @@ class SpeculativeEngine:
         """Drop cache columns no row attends to: before the oldest remaining row's first token (rows
         that left) and after the last accepted slot of the latest window (drafts every row rejected).
 
-        Slicing is a view and the next forward's concatenation copies only what is kept, so this
-        costs nothing, while without it the cache grows by the whole window every step and every
-        later forward attends over the dead columns.
+        A view of the layers' buffers (`BufferedLayer.keep_columns`), so this costs nothing, while
+        without it the cache grows by the whole window every step and every later forward attends
+        over the dead columns.
         """
         used = valid.any(0).nonzero()
         first, last = int(used[0]), int(used[-1]) + 1
         if first == 0 and last == valid.shape[1]:
             return cache, valid
         for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, first:last], layer.values[:, :, first:last]
+            layer.keep_columns(first, last)
         return cache, valid[:, first:last]
 
     def _new_generator(self, row: _Row, drafter):
