@@ -893,8 +893,9 @@ def test_a_probing_request_verifies_an_open_drafter(setup):
 
 def test_a_probing_request_stops_probing_closed_drafters(setup):
     """A drafter the policy keeps closed while another probed drafter is open is no longer probed
-    (no request could settle on it); a request whose other arms have been probed enough then
-    settles at once. With every drafter closed, nothing is dropped."""
+    once the request has drafted its own probes of it (only those can settle it there); a request
+    whose other arms have been probed enough then settles at once. With every drafter closed,
+    nothing is dropped."""
     engine = _fitted_against_useless(setup, max_batch_size=4)
     closed: set = set()
     engine.policy = SimpleNamespace(is_open=lambda arm: arm not in closed)
@@ -908,7 +909,48 @@ def test_a_probing_request_stops_probing_closed_drafters(setup):
     assert row.probing == ["fitted", "useless", "none"]  # every drafter closed
     closed.discard("fitted")
     engine._stop_probing_closed(row)
+    assert row.probing == ["fitted", "useless", "none"]  # "useless" closed, but not yet probed by this request
+    row.arm_scores["useless"] = [2, 0.1, 2]
+    engine._stop_probing_closed(row)
     assert row.probing == [] and row.arm == "fitted" and engine._shadow_arms(row) == []  # settled
+
+
+def test_a_closed_drafter_a_request_finds_far_ahead_is_measured_afresh(setup):
+    """A drafter's gate is measured on other requests' rows: a request whose own probes put a
+    closed drafter at `REOPEN_FACTOR` times the best open one settles on it and the policy forgets
+    what the gate measured (`reopen`); below that, or with a policy that cannot reopen, it does not."""
+    from angelspec_hf.generation.engine import REOPEN_FACTOR
+
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    closed, reopened = {"fitted"}, []
+
+    def reopen(arm):
+        reopened.append(arm)
+        closed.discard(arm)
+
+    engine.policy = SimpleNamespace(is_open=lambda arm: arm not in closed, reopen=reopen)
+    useless = (4, 0.1, 2)  # 40 tokens/s, open
+    behind = _routed_row(engine, {"fitted": (int(4 * REOPEN_FACTOR) - 1, 0.1, 2), "useless": useless, "none": (2, 0.1, 2)})
+    engine._settle(behind)
+    assert behind.arm == "useless" and reopened == []
+    ahead = _routed_row(engine, {"fitted": (int(4 * REOPEN_FACTOR), 0.1, 2), "useless": useless, "none": (2, 0.1, 2)})
+    assert engine._settling_arms(ahead) == ["fitted", "none", "useless"]
+    engine._settle(ahead)
+    assert ahead.arm == "fitted" and reopened == ["fitted"]
+    closed.add("fitted")
+    engine.policy = SimpleNamespace(is_open=lambda arm: arm not in closed)  # no `reopen`
+    row = _routed_row(engine, {"fitted": (40, 0.1, 2), "useless": useless, "none": (2, 0.1, 2)})
+    engine._settle(row)
+    assert row.arm == "useless"
+
+
+def test_batch_dcut_reopen_forgets_a_closed_gate():
+    policy = cutting_policy()
+    gate = policy.gate_for("a")
+    gate.record_rate(1.0, 2.0, 1.0, 1.0)  # half a plain step's rate: closed
+    assert not policy.is_open("a")
+    policy.reopen("a")
+    assert policy.is_open("a") and policy.gate_for("a").efficiency is None
 
 
 @pytest.mark.parametrize("closes_after", [6, 0])

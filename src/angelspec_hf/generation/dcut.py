@@ -430,6 +430,12 @@ class BatchDCutPolicy(_PacedPolicy):
             gate = self.gates[arm] = self._new_gate()
         return gate
 
+    def reopen(self, arm: str | None = None) -> None:
+        """Forget what ``arm``'s gate measured: it drafts again as an unmeasured drafter (its first
+        step where a miss is cheap, `should_draft`). For a router whose request found the drafter far
+        ahead on its own text, which the gate, measured on other requests' rows, had not seen."""
+        self.gates.pop(arm, None)
+
     def is_open(self, arm: str | None = None, batch: int | None = None, context: int | None = None,
                 queued: bool = True) -> bool:
         """Whether ``arm``'s drafting has been paying (True before it is measured), or, given the

@@ -154,6 +154,9 @@ PRUNE_AFTER_REQUESTS = 4
 # How much better than the batch's own drafter, by the pooled evidence of every request, a drafter
 # must be for a request to start drafting with it beside the others anyway (see `_batch_choice`).
 MIGRATE_MARGIN = 0.1
+# How many times the best open drafter's rate a request's own probes must give a drafter the policy
+# keeps closed for the request to settle on it and have the policy measure it afresh (`_settling_arms`).
+REOPEN_FACTOR = 1.5
 # Weight of the newest measurement in the engine's moving averages of step and drafting-call times.
 TIMING_SMOOTHING = 0.2
 
@@ -271,7 +274,8 @@ class SpeculativeEngine:
     order, and ``draft_seconds`` maps each drafter that drafted to its time; optionally
     ``record_forward(seconds, width, context, batch)``, told how long every verify forward took,
     and ``is_open(arm)``, whether a drafter's drafting pays, which routing weighs, with keywords
-    ``batch``, ``context`` and ``queued`` where it takes them, to reprice a closed drafter at the step). After a call,
+    ``batch``, ``context`` and ``queued`` where it takes them, to reprice a closed drafter at the step), and ``reopen(arm)``, to
+    measure a closed drafter afresh once a request's own probes find it far ahead of the open ones). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
     ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its scored
     probes. ``arm_evidence`` holds the pooled evidence of every scored probe: arm -> (tokens,
@@ -843,10 +847,25 @@ class SpeculativeEngine:
         if row.arm_scores:
             self._record_competition(row)
             row.arm = self._batch_choice(row, {arm: self._blended_rate(row, arm) for arm in self._settling_arms(row)})
+            if self._reopened_by_probes(row):
+                # Why: a drafter's gate is measured on whatever rows drafted with it, and closed on the
+                # first requests' text it closed for every later one. Served in domain order, chat first,
+                # at concurrency 4 on the reference CPU, DFlash-Block8's and DFly-Block8's gates closed
+                # on the chat requests (efficiency 0.91 / 0.88) and every code and math request
+                # settled on MTP-TTT3 (tau 1.5-2.2 where DFlash drafts about 2.9; 46 tokens/s against
+                # DFlash + D-cut's 58; `logs/s55/router_c4_trace.py`).
+                self.policy.reopen(row.arm)
         row.probing = []
         # The probed drafters stay, idle, for `_leave_closed_drafter`, where the policy can close one.
         keep = {row.arm} | (set(row.arm_scores) if row.arm != NO_DRAFTER and self._policy_gates_arms else set())
         self._keep_generators(row, keep)
+
+    def _reopened_by_probes(self, row: _Row) -> bool:
+        """Whether a request settled on a drafter the policy keeps closed while a drafter it probed is
+        open: its own probes put that one far ahead (`_settling_arms`), and a policy that can
+        ``reopen`` should measure it afresh."""
+        return (row.arm != NO_DRAFTER and callable(getattr(self.policy, "reopen", None)) and not self._arm_open(row.arm)
+                and any(arm != NO_DRAFTER and self._arm_open(arm) for arm in row.arm_scores))
 
     def _batch_choice(self, row: _Row, rates: dict[str, float]) -> str:
         """The arm with the best rate, unless it is a drafter none of the batch's other rows drafts
@@ -940,29 +959,38 @@ class SpeculativeEngine:
         row.switches += 1
 
     def _stop_probing_closed(self, row: _Row) -> None:
-        """Stop probing the drafters the policy keeps closed while another probed drafter is open
-        (a request cannot settle on them then, see `_settling_arms`), and settle the request if
-        the arms left have been probed enough.
+        """Stop probing the drafters the policy keeps closed while another probed drafter is open,
+        once the request has drafted its probes of them (only its own probes can settle it on
+        one, see `_settling_arms`), and settle the request if the arms left have been probed enough.
 
         Why: their shadow drafts bought nothing and cost a drafting call each. At concurrency 4 on
         the reference CPU MTP-TTT3's gate closes (its drafting does not pay there), yet every later
         request still drafted it beside its verified drafter: probe steps took 44 ms against 17 ms
         for DFly-Block8 alone with 4 rows, 0.7 s of a 30 s pass (`logs/s47/router_trace.py`)."""
-        kept = self._without_closed_drafters(row.probing)
+        kept = [arm for arm in row.probing
+                if arm in self._without_closed_drafters(row.probing) or self._wants_probe(row, arm)]
         if kept != row.probing:
             row.probing = kept
             self._settle_if_probed(row)
 
     def _settling_arms(self, row: _Row) -> list[str]:
         """The arms a request may settle on: those it probed, less the drafters the policy keeps
-        closed while another probed drafter is open.
+        closed while another probed drafter is open, unless the request's own probes put one at
+        `REOPEN_FACTOR` times the best open drafter's rate (`_settle` then has the policy measure it
+        afresh, `reopen`).
 
         Why: rows on a closed drafter decode plainly. The MTP drafter's gate closes at concurrency
         4 on the reference CPU (its drafting does not pay there), and requests whose two probes put
         it ahead by a hair, chat and code, ran at tau 1.07 for 76-119 rounds beside DFlash rows at
         2.0-2.5. With every drafter closed none is left out, so that a gate hovering near 1 does not
         send every request to "no drafter"."""
-        return self._without_closed_drafters(sorted(row.arm_scores))
+        probed = sorted(row.arm_scores)
+        kept = self._without_closed_drafters(probed)
+        rates = {arm: tokens / seconds for arm, (tokens, seconds, _) in row.arm_scores.items() if seconds > 0}
+        best_open = max((rates.get(arm, 0.0) for arm in kept if arm != NO_DRAFTER), default=0.0)
+        if not callable(getattr(self.policy, "reopen", None)) or best_open <= 0.0:
+            return kept
+        return [arm for arm in probed if arm in kept or rates.get(arm, 0.0) >= REOPEN_FACTOR * best_open]
 
     def _without_closed_drafters(self, arms: list[str]) -> list[str]:
         """``arms`` less the drafters the policy keeps closed, unless none of its drafters is open
