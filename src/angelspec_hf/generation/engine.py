@@ -753,10 +753,15 @@ class SpeculativeEngine:
         competitive, probed = self.arm_record.get(arm, (0, 0))
         return probed >= PRUNE_AFTER_REQUESTS and competitive == 0
 
+    @staticmethod
+    def _own_rates(row: _Row) -> dict[str, float]:
+        """Tokens per second of every arm by the request's own scored probes."""
+        return {arm: tokens / seconds for arm, (tokens, seconds, _) in row.arm_scores.items() if seconds > 0}
+
     def _record_competition(self, row: _Row) -> None:
         """Count, for every arm a request probed, whether its own rate came within ``route_margin``
         of the request's best arm's."""
-        rates = {arm: tokens / seconds for arm, (tokens, seconds, _) in row.arm_scores.items() if seconds > 0}
+        rates = self._own_rates(row)
         best = max(rates.values(), default=0.0)
         for arm, rate in rates.items():
             record = self.arm_record.setdefault(arm, [0, 0])
@@ -864,7 +869,7 @@ class SpeculativeEngine:
         """Whether a request settled on a drafter the policy keeps closed while a drafter it probed is
         open: its own probes put that one far ahead (`_settling_arms`), and a policy that can
         ``reopen`` should measure it afresh."""
-        return (row.arm != NO_DRAFTER and callable(getattr(self.policy, "reopen", None)) and not self._arm_open(row.arm)
+        return (row.arm != NO_DRAFTER and self._policy_reopens and not self._arm_open(row.arm)
                 and any(arm != NO_DRAFTER and self._arm_open(arm) for arm in row.arm_scores))
 
     def _batch_choice(self, row: _Row, rates: dict[str, float]) -> str:
@@ -912,6 +917,10 @@ class SpeculativeEngine:
             return 1.0
         batch = sum(not self._finished(other) for other in self._rows)
         return 1.0 + max(batch, 1) * call / self.step_seconds
+
+    @property
+    def _policy_reopens(self) -> bool:
+        return callable(getattr(self.policy, "reopen", None))
 
     @property
     def _policy_gates_arms(self) -> bool:
@@ -967,8 +976,8 @@ class SpeculativeEngine:
         the reference CPU MTP-TTT3's gate closes (its drafting does not pay there), yet every later
         request still drafted it beside its verified drafter: probe steps took 44 ms against 17 ms
         for DFly-Block8 alone with 4 rows, 0.7 s of a 30 s pass (`logs/s47/router_trace.py`)."""
-        kept = [arm for arm in row.probing
-                if arm in self._without_closed_drafters(row.probing) or self._wants_probe(row, arm)]
+        open_arms = self._without_closed_drafters(row.probing)
+        kept = [arm for arm in row.probing if arm in open_arms or self._wants_probe(row, arm)]
         if kept != row.probing:
             row.probing = kept
             self._settle_if_probed(row)
@@ -986,9 +995,9 @@ class SpeculativeEngine:
         send every request to "no drafter"."""
         probed = sorted(row.arm_scores)
         kept = self._without_closed_drafters(probed)
-        rates = {arm: tokens / seconds for arm, (tokens, seconds, _) in row.arm_scores.items() if seconds > 0}
+        rates = self._own_rates(row)
         best_open = max((rates.get(arm, 0.0) for arm in kept if arm != NO_DRAFTER), default=0.0)
-        if not callable(getattr(self.policy, "reopen", None)) or best_open <= 0.0:
+        if not self._policy_reopens or best_open <= 0.0:
             return kept
         return [arm for arm in probed if arm in kept or rates.get(arm, 0.0) >= REOPEN_FACTOR * best_open]
 
