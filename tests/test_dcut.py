@@ -457,6 +457,8 @@ def test_batch_gate_reopens_when_the_batch_shrinks_enough_for_drafting_to_pay():
     assert policy.is_open(batch=1, context=10, queued=False)
     assert not policy.is_open(batch=1, context=10, queued=True)
     assert policy.is_open("never measured", batch=16, context=10, queued=False)
+    # Open for want of evidence is not measured open (a settled routed request moves only to the latter).
+    assert policy.measured() and not policy.measured("never measured")
 
 
 def test_batch_dcut_calibrates_each_drafter_on_its_own():

@@ -866,6 +866,29 @@ def test_a_request_leaves_a_drafter_the_policy_closes_after_it_settled(setup):
     assert set(row.generators) == {"fitted"}
 
 
+def test_a_settled_request_leaves_a_closed_drafter_only_for_a_measured_one(setup):
+    """Settled on a drafter the policy closed, a request does not move to one that is open only
+    because the policy has not measured it yet (it decodes plainly until one is measured open);
+    a probing request does, since its probes wait for a drafting round."""
+    from angelspec_hf.generation.engine import _Row
+
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    measured: set = set()
+    engine.policy = SimpleNamespace(is_open=lambda arm: arm != "fitted", measured=lambda arm: arm in measured)
+    row = _Row(0, [1, 2, 3], 3, 10, arm="fitted")
+    row.generators = {arm: object() for arm in engine.drafters}
+    engine._leave_closed_drafter(row)
+    assert row.arm == "fitted" and row.switches == 0
+    measured.add("useless")
+    engine._leave_closed_drafter(row)
+    assert row.arm == "useless" and row.switches == 1
+    measured.clear()
+    probing = _Row(0, [1, 2, 3], 3, 10, arm="fitted", probing=["fitted", "useless", "none"])
+    probing.generators = {arm: object() for arm in engine.drafters}
+    engine._leave_closed_drafter(probing)
+    assert probing.arm == "useless" and probing.switches == 1
+
+
 def test_a_probing_request_verifies_an_open_drafter(setup):
     """While a request probes, a closed verified drafter would hold it on plain rounds (its
     probes wait for a drafting round): the open probed drafter with the best pooled rate is

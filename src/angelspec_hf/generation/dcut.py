@@ -436,6 +436,12 @@ class BatchDCutPolicy(_PacedPolicy):
         ahead on its own text, which the gate, measured on other requests' rows, had not seen."""
         self.gates.pop(arm, None)
 
+    def measured(self, arm: str | None = None) -> bool:
+        """Whether ``arm``'s gate has measured its drafting: an unmeasured drafter is open only for
+        want of evidence (the engine moves a settled request off a closed drafter only to a measured one)."""
+        gate = self.gates.get(arm)
+        return gate is not None and gate.efficiency is not None
+
     def is_open(self, arm: str | None = None, batch: int | None = None, context: int | None = None,
                 queued: bool = True) -> bool:
         """Whether ``arm``'s drafting has been paying (True before it is measured), or, given the

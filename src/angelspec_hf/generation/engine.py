@@ -275,7 +275,9 @@ class SpeculativeEngine:
     ``record_forward(seconds, width, context, batch)``, told how long every verify forward took,
     and ``is_open(arm)``, whether a drafter's drafting pays, which routing weighs, with keywords
     ``batch``, ``context`` and ``queued`` where it takes them, to reprice a closed drafter at the step), and ``reopen(arm)``, to
-    measure a closed drafter afresh once a request's own probes find it far ahead of the open ones). After a call,
+    measure a closed drafter afresh once a request's own probes find it far ahead of the open ones), and
+    ``measured(arm)``, whether its gate has measured that drafter (a settled request leaves a closed
+    drafter only for a measured open one). After a call,
     ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
     ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its scored
     probes. ``arm_evidence`` holds the pooled evidence of every scored probe: arm -> (tokens,
@@ -286,8 +288,8 @@ class SpeculativeEngine:
     rounds while the pooled best arm (the first drafter before there is evidence) is verified. The
     request then settles on the arm with the best rate, its own probes weighed against the pooled
     evidence (a drafter the policy keeps closed only if every drafter is closed; a request whose
-    drafter the policy closes, probing or settled, moves to an open one: ``switches`` in its
-    stats), and on a drafter the batch's other rows draft with unless drafting another for it
+    drafter the policy closes moves to an open one, once settled only to one the policy has
+    measured: ``switches`` in its stats), and on a drafter the batch's other rows draft with unless drafting another for it
     alone pays for that drafter's extra call (`_batch_choice`; ``call_seconds`` and
     ``step_seconds`` hold the timings it reads). An arm is competitive for a request when its own
     probes' rate is at least ``1 - route_margin`` of the request's best arm's (``arm_record``: arm
@@ -922,6 +924,12 @@ class SpeculativeEngine:
     def _policy_reopens(self) -> bool:
         return callable(getattr(self.policy, "reopen", None))
 
+    def _arm_measured(self, arm: str) -> bool:
+        """Whether the policy has measured drafter ``arm`` (a policy without ``measured`` counts every
+        drafter as measured)."""
+        measured = getattr(self.policy, "measured", None)
+        return measured(arm) if callable(measured) else True
+
     @property
     def _policy_gates_arms(self) -> bool:
         return callable(getattr(self.policy, "is_open", None))
@@ -958,7 +966,17 @@ class SpeculativeEngine:
         if row.arm == NO_DRAFTER or len(row.generators) < 2 or self._arm_open(row.arm):
             return
         usable = [arm for arm in row.probing if arm in row.generators] if row.probing else list(row.generators)
-        open_arms = [arm for arm in sorted(usable) if arm != row.arm and self._arm_open(arm)]
+        # A settled request moves only to a drafter measured paying. Why: its drafter closed on its
+        # own rows' text, and an unmeasured one is open only for want of evidence. At concurrency 4
+        # on the reference CPU, requests moved off a drafter whose gate closed on their chat text to
+        # MTP-TTT3 while it was unmeasured (5-6 moves a pass; 2-4 with this rule), adding its
+        # drafting call to the batch's steps where decoding plainly paid as well (the router over the
+        # three drafters 1.153x-1.218x of plain batched decoding against 1.246x-1.306x over the two
+        # block drafters, four paired reps; `logs/s56/c4_configs.py`); with this rule 1.226x-1.247x
+        # against 1.181x-1.196x before, three paired reps (`logs/s56/measured_ab.py`). A probing
+        # request still moves to any open drafter: its probes wait for a drafting round.
+        open_arms = [arm for arm in sorted(usable) if arm != row.arm and self._arm_open(arm)
+                     and (row.probing or self._arm_measured(arm))]
         if not open_arms:
             return
         if row.probing:
