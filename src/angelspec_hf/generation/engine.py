@@ -273,14 +273,14 @@ class SpeculativeEngine:
     in the order of ``confidences``, ``arms`` names the drafter of each drafting row, in the same
     order, and ``draft_seconds`` maps each drafter that drafted to its time; optionally
     ``record_forward(seconds, width, context, batch)``, told how long every verify forward took,
-    and ``is_open(arm)``, whether a drafter's drafting pays, which routing weighs, with keywords
-    ``batch``, ``context`` and ``queued`` where it takes them, to reprice a closed drafter at the step), and ``reopen(arm)``, to
-    measure a closed drafter afresh once a request's own probes find it far ahead of the open ones), and
-    ``measured(arm)``, whether its gate has measured that drafter (a settled request leaves a closed
-    drafter only for a measured open one). After a call,
-    ``stats`` holds one entry per request: its rounds, tokens accepted per round, the drafter it
-    ended on and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its scored
-    probes. ``arm_evidence`` holds the pooled evidence of every scored probe: arm -> (tokens,
+    ``is_open(arm)``, whether a drafter's drafting pays, which routing weighs, with keywords
+    ``batch``, ``context`` and ``queued`` where it takes them, to reprice a closed drafter at the
+    step; ``reopen(arm)``, to measure a closed drafter afresh once a request's own probes find it far
+    ahead of the open ones; and ``measured(arm)``, whether the policy has measured that drafter, since
+    a settled request leaves a closed drafter only for a measured open one). After a call, ``stats``
+    holds one entry per request: its rounds, tokens accepted per round, the drafter it ended on
+    and, for a routed request, ``probes``: arm -> (tokens, seconds, rounds) of its scored probes.
+    ``arm_evidence`` holds the pooled evidence of every scored probe: arm -> (tokens,
     seconds, rounds); it lives as long as the engine, so a serving engine keeps learning across
     `generate` calls (``arm_evidence.clear()`` forgets it, for example when the workload changes).
 
@@ -289,8 +289,8 @@ class SpeculativeEngine:
     request then settles on the arm with the best rate, its own probes weighed against the pooled
     evidence (a drafter the policy keeps closed only if every drafter is closed; a request whose
     drafter the policy closes moves to an open one, once settled only to one the policy has
-    measured: ``switches`` in its stats), and on a drafter the batch's other rows draft with unless drafting another for it
-    alone pays for that drafter's extra call (`_batch_choice`; ``call_seconds`` and
+    measured: ``switches`` in its stats), and on a drafter the batch's other rows draft with unless
+    drafting another for it alone pays for that drafter's extra call (`_batch_choice`; ``call_seconds`` and
     ``step_seconds`` hold the timings it reads). An arm is competitive for a request when its own
     probes' rate is at least ``1 - route_margin`` of the request's best arm's (``arm_record``: arm
     -> [competitive, probed] requests); one competitive for none of at least
