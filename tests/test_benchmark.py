@@ -9,6 +9,7 @@ import torch
 
 from angelspec_hf.benchmark import (
     AR,
+    CONTROL,
     PROMPT_LOOKUP,
     ROUTER,
     _median_run,
@@ -101,17 +102,22 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets, tmp
                      seconds=[[[1.0, 1.0], [1.4, 1.4]], [[1.2, 1.2], [2.0, 2.0]]])
     rows = run_concurrency(target, tokenizer, drafters, ["code", "math"], per_set=1, max_new_tokens=10, levels=[1, 2],
                            references=references, cost_model=cost)
-    methods = [AR, "dfly", "dfly + D-cut", "mtp", "mtp + D-cut", ROUTER]
+    methods = [AR, CONTROL, "dfly", "dfly + D-cut", "mtp", "mtp + D-cut", ROUTER]
     assert [(r["method"], r["concurrency"]) for r in rows] == [(m, level) for level in (1, 2) for m in methods]
-    assert rows[0]["speedup"] == 1.0 and rows[0]["tau"] is None and rows[1]["tau"] >= 1.0
-    assert rows[2]["drafting_steps"] > 0 and set(rows[5]["drafters_chosen"]) <= {"dfly", "mtp", "none"}
+    assert rows[0]["speedup"] == 1.0 and rows[0]["tau"] is None and rows[2]["tau"] >= 1.0
+    assert rows[3]["drafting_steps"] > 0 and set(rows[6]["drafters_chosen"]) <= {"dfly", "mtp", "none"}
+    # The control pairs plain decoding with itself: no drafts, no policy, identical outputs.
+    control = rows[1]
+    assert control["tau"] is None and control["drafting_steps"] is None and control["drafters_chosen"] is None
+    assert control["lossless"] and len(control["speedups"]) == 1 and control["speedup"] > 0
     assert "concur" in format_table(rows, group="concurrency")
     assert all(r["lossless"] for r in rows)
     # Concurrency 2 serves two requests a slot: the three batch-1 prompts and one more of each set,
     # whose references plain generate adds.
     assert [r["prompts"] for r in rows] == [3] * len(methods) + [6] * len(methods)
     assert len(references) == 6
-    # Each configuration ran beside an AR pass of its own; the AR row reports the median and spread of them all.
+    # Each configuration (and the control) ran beside an AR pass of its own; the AR row reports the
+    # median and spread of them all.
     ar_row = rows[0]
     assert ar_row["ar_runs"] == len(methods) - 1 and ar_row["ar_spread"][0] <= ar_row["tokens_per_s"] <= ar_row["ar_spread"][1]
     assert all(r["speedup"] > 0 for r in rows[1:])
@@ -120,13 +126,39 @@ def test_concurrency_rows_compare_the_engine_with_batch_one_outputs(targets, tmp
     # Repeated passes: every configuration measured twice, the row keeps the median and both ratios.
     twice = run_concurrency(target, tokenizer, {"mtp": drafters["mtp"]}, ["math"], per_set=1, max_new_tokens=6,
                             levels=[2], references=references, repeats=2)
-    assert twice[0]["ar_runs"] == 2 and len(twice[1]["speedups"]) == 2
-    assert twice[1]["speedup"] == statistics.median(twice[1]["speedups"])
+    assert twice[0]["ar_runs"] == 4 and len(twice[1]["speedups"]) == 2 and len(twice[2]["speedups"]) == 2
+    assert twice[2]["speedup"] == statistics.median(twice[2]["speedups"])
     # A wrong reference is reported as lossy.
     references[benchmark_prompts(["math"], 1)[0][2]] = [0]
     broken = run_concurrency(target, tokenizer, {}, ["math"], per_set=2, max_new_tokens=10, levels=[2],
                              references=references)
     assert broken[0]["lossless"] is False
+
+
+def test_control_pair_runs_plain_decoding_beside_itself(targets, monkeypatch):
+    """The noise control: two plain engines served in turn, each lossless and timed on its own steps;
+    asking for a control with a drafter is refused, naming the fix."""
+    from angelspec_hf.benchmark import paired_engine_runs
+    from angelspec_hf.generation import SpeculativeEngine
+
+    target = targets.target("llama")
+    ids = [[5, 9, 13, 2], [7, 7, 3]]
+    expected = [plain_greedy(target, prompt, 8) for prompt in ids]
+    engines = []
+    init = SpeculativeEngine.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(SpeculativeEngine, "__init__", recorded)
+    first, second = paired_engine_runs(target, None, None, 2, ids, 8, None, expected, control=True)
+    assert len(engines) == 2 and not any(engine.drafters for engine in engines)
+    assert first["lossless"] and second is not None and second["lossless"]
+    assert first["tau"] is None and second["tau"] is None and second["tokens_per_s"] > 0
+    assert paired_engine_runs(target, None, None, 2, ids, 8, None, expected)[1] is None
+    with pytest.raises(ValueError, match="drafter=None"):
+        paired_engine_runs(target, targets.fitted("llama", "mtp"), None, 2, ids, 8, None, expected, control=True)
 
 
 def test_engine_prompts_keep_two_requests_a_slot_and_start_with_the_batch_one_prompts():
@@ -363,7 +395,7 @@ def test_sampled_concurrency_rows_sample_every_request_and_report_speed_only(tar
     rows = run_concurrency(target, tiny_tokenizer(), {"dfly": targets.fitted("llama", "dfly-hybrid-corr")}, ["math"],
                            per_set=2, max_new_tokens=8, levels=[2], references={}, temperature=0.9, seed=3)
     assert settings and set(settings) == {(True, 0.9, SAMPLING_TOP_K)}
-    assert [r["method"] for r in rows] == [AR, "dfly"] and all(r["lossless"] is None for r in rows)
+    assert [r["method"] for r in rows] == [AR, CONTROL, "dfly"] and all(r["lossless"] is None for r in rows)
     assert format_table(rows, group="concurrency").splitlines()[-1].endswith("sampled")
 
 
@@ -374,15 +406,15 @@ def test_sampled_repeats_draw_new_texts(targets, monkeypatch):
     seeds = []
     paired = benchmark.paired_engine_runs
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         seeds.append(args[-1])
-        return paired(*args)
+        return paired(*args, **kwargs)
 
     monkeypatch.setattr(benchmark, "paired_engine_runs", spy)
     benchmark.run_concurrency(targets.target("llama"), tiny_tokenizer(), {"dfly": targets.fitted("llama", "dfly-hybrid-corr")},
                               ["math"], per_set=1, max_new_tokens=6, levels=[2], references={}, temperature=0.9, seed=5,
                               repeats=2)
-    assert seeds == [5, 6]
+    assert seeds == [5, 5, 6, 6]  # the control pair and the drafter's, each repeat
 
 
 def test_bench_measures_a_prompt_file_as_its_own_domain(targets, tmp_path, monkeypatch):
