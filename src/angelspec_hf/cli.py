@@ -605,7 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine-threads", type=int, default=0, help="torch threads for the engine (0: torch's default)")
     bench.add_argument("--no-dcut", action="store_true", help="skip the D-cut rows (and the cost profile)")
     bench.add_argument("--concurrency", type=int, nargs="*", default=[4, 16],
-                       help="engine concurrency levels to measure (none with --quick)")
+                       help="engine concurrency levels to measure (none with --quick); each starts with a control "
+                            "pair, plain batched decoding beside itself, whose ratio shows the pairing's own noise")
     bench.add_argument("--engine-repeats", type=int, default=1,
                        help="passes per engine configuration, each served step by step in turn with a pass of "
                             "plain batched decoding; rows report the median (on a shared machine plain batched "
