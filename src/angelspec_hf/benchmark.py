@@ -266,10 +266,11 @@ def run_concurrency(target, tokenizer, drafters: dict[str, object], domains: lis
             expected = [references[prompt] for prompt in prompts]
         configurations = engine_configurations(drafters, cost_model)
         ar_runs = []
-        measured = [(CONTROL, None, False)] + configurations[1:] if len(configurations) > 1 else []
-        runs: dict[str, list[dict]] = {name: [] for name, _, _ in measured}
+        # Every configuration but AR itself, after the control pair (none without drafters).
+        paired = [(CONTROL, None, False), *configurations[1:]] if len(configurations) > 1 else []
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in paired}
         for repeat in range(repeats):
-            for name, drafter, cut in measured:
+            for name, drafter, cut in paired:
                 # Sampled repeats draw new texts (seed + repeat), so their median averages over texts too.
                 ar, run = paired_engine_runs(target, drafter, cost_model if cut else None, level, ids,
                                              max_new_tokens, eos, expected, decoding, seed + repeat,
