@@ -817,6 +817,55 @@ def test_a_request_joins_the_drafter_its_batch_drafts_with_unless_a_split_pays(s
     assert row.arm == "fitted"
 
 
+def test_a_group_joins_the_drafter_the_batch_drafts_with_once_its_own_call_does_not_pay(setup):
+    """Settled requests keep a drafter only they draft with while their mean rate ratio over the
+    batch's other drafter beats ``1 + B * call / (step * rows)`` (4 rows, a 0.01 s call, a 0.1 s
+    step: 1.4 for one row, 1.2 for two), else they move there together. Only to an open drafter the
+    policy has measured and every one of them holds, and not while a probing request is verified
+    with their drafter."""
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    closed, measured = set(), {"fitted", "useless"}
+    engine.policy = SimpleNamespace(is_open=lambda arm: arm not in closed, measured=lambda arm: arm in measured)
+    engine.call_seconds, engine.step_seconds = {"fitted": 0.01, "useless": 0.01}, 0.1
+
+    def batch(useless_rows: int, useless_tokens: int, fitted_tokens: int = 7):
+        rows = [_routed_row(engine, {"fitted": (8, 0.1, 2), "useless": (7, 0.1, 2)}) for _ in range(4 - useless_rows)]
+        for _ in range(useless_rows):
+            rows.append(row := _routed_row(engine, {"fitted": (fitted_tokens, 0.1, 2), "useless": (useless_tokens, 0.1, 2)}))
+            row.arm = "useless"
+        engine._rows = rows
+        return rows
+
+    rows = batch(1, 9)  # 90 against 70 tokens/s: 1.29x, under 1.4
+    engine._consolidate(rows)
+    assert [row.arm for row in rows] == ["fitted"] * 4 and rows[-1].switches == 1
+    rows = batch(1, 10)  # 1.43x: its own call pays
+    engine._consolidate(rows)
+    assert rows[-1].arm == "useless" and rows[-1].switches == 0
+    rows = batch(2, 9)  # two rows at 1.29x share the call: over 1.2, and the other group gains only 1.14x
+    rows[0].arm_scores["fitted"] = [9, 0.1, 2]  # so that neither group moves: 90 against 70
+    rows[1].arm_scores["fitted"] = [9, 0.1, 2]
+    engine._consolidate(rows)
+    assert [row.arm for row in rows] == ["fitted", "fitted", "useless", "useless"]
+    rows = batch(1, 9)
+    rows[0].probing = ["useless", "fitted", "none"]  # a probing request verified with "useless": its call stays
+    rows[0].arm = "useless"
+    engine._consolidate(rows)
+    assert rows[-1].arm == "useless"
+    for blocked in ("closed", "unmeasured", "not held"):
+        rows = batch(1, 9)
+        if blocked == "closed":
+            closed.add("fitted")
+        elif blocked == "unmeasured":
+            measured.discard("fitted")
+        else:
+            del rows[-1].generators["fitted"]
+        engine._consolidate(rows)
+        assert rows[-1].arm == "useless", blocked
+        closed.clear()
+        measured.update({"fitted", "useless"})
+
+
 def test_a_request_does_not_settle_on_a_drafter_the_policy_keeps_closed(setup):
     """Rows on a closed drafter decode plainly: the request settles on the best open drafter
     (or "no drafter"), unless every drafter it probed is closed."""

@@ -894,31 +894,38 @@ class SpeculativeEngine:
         if best == NO_DRAFTER or best in shared or not shared:
             return best
         partner = max(shared, key=lambda arm: rates[arm])
-        pooled_best, pooled_partner = self._pooled_rate(best), self._pooled_rate(partner)
-        if pooled_best is not None and pooled_partner is not None and pooled_best > (1 + MIGRATE_MARGIN) * pooled_partner:
-            return best
-        return best if rates[best] > self._split_threshold(best) * rates[partner] else partner
+        return best if self._own_drafter_pays(best, partner, [rates[best] / max(rates[partner], 1e-9)]) else partner
+
+    def _own_drafter_pays(self, arm: str, shared: str, ratios: list[float]) -> bool:
+        """Whether requests whose rates on ``arm`` are ``ratios`` times their rates on ``shared`` (a
+        drafter the batch's other rows draft with) should draft with ``arm`` on their own: the split
+        pays (`_split_threshold`), or the pooled evidence of every request puts ``arm`` more than
+        `MIGRATE_MARGIN` ahead of ``shared`` (so that a batch on a worse drafter moves over)."""
+        pooled_own, pooled_shared = self._pooled_rate(arm), self._pooled_rate(shared)
+        if pooled_own is not None and pooled_shared is not None and pooled_own > (1 + MIGRATE_MARGIN) * pooled_shared:
+            return True
+        return sum(ratios) / len(ratios) > self._split_threshold(arm, len(ratios))
 
     def _arms_in_use(self, row: _Row) -> set[str]:
         """The drafters the batch's other active rows are verified with."""
         return {other.arm for other in self._rows
                 if other is not row and other.generator is not None and not self._finished(other)}
 
-    def _split_threshold(self, arm: str) -> float:
-        """How many times a request's rate on the batch's drafter its rate on ``arm`` must be for
-        drafting ``arm`` for it alone to pay: ``1 + B * call / step`` for a batch of B rows, ``call``
-        seconds for a drafting call of ``arm`` less catch-up (`steady_call_seconds`) and ``step``
-        seconds a step (moving averages).
+    def _split_threshold(self, arm: str, rows: int = 1) -> float:
+        """How many times their rates on the batch's drafter ``rows`` requests' rates on ``arm``
+        must be (on average) for drafting ``arm`` for them alone to pay: ``1 + B * call / (step *
+        rows)`` for a batch of B rows, ``call`` seconds for a drafting call of ``arm`` less catch-up
+        (`steady_call_seconds`) and ``step`` seconds a step (moving averages).
 
-        Why that: with the other rows gaining about as many tokens a step as this one would on the
-        shared drafter (t), the batch gains ``(B - 1) t + rate ratio * t`` tokens in ``step + call``
-        seconds against ``B t`` in ``step``; the first is larger exactly when the ratio exceeds the
-        threshold. Before any step or call of ``arm`` was timed: 1."""
+        Why that: with the other rows gaining about as many tokens a step as these would on the
+        shared drafter (t), the batch gains ``(B - rows) t + sum of rate ratios * t`` tokens in
+        ``step + call`` seconds against ``B t`` in ``step``; the first is larger exactly when the
+        mean ratio exceeds the threshold. Before any step or call of ``arm`` was timed: 1."""
         call = self.call_seconds.get(arm)
         if call is None or not self.step_seconds:
             return 1.0
         batch = sum(not self._finished(other) for other in self._rows)
-        return 1.0 + max(batch, 1) * call / self.step_seconds
+        return 1.0 + max(batch, 1) * call / (self.step_seconds * max(rows, 1))
 
     @property
     def _policy_reopens(self) -> bool:
@@ -984,6 +991,43 @@ class SpeculativeEngine:
         else:
             row.arm = max(open_arms, key=lambda arm: self._blended_rate(row, arm))
         row.switches += 1
+
+    def _consolidate(self, rows: list[_Row]) -> None:
+        """Move the settled requests of a drafter only they draft with onto a drafter the batch's
+        other requests draft with, once sharing its call pays more than keeping their own: the
+        rule `_batch_choice` applies when a request settles (`_own_drafter_pays`), applied again to
+        the group as the batch around it changes. The smallest group moves first, only to an open
+        drafter the policy has measured that each of its requests probed (and keeps, idle), and
+        not while a probing request is verified with the group's drafter (its call stays).
+
+        Why: a request settles against the drafters in use at that moment. Served in domain order,
+        the first (chat) requests settled on MTP-TTT3 together, where it was the batch's drafter,
+        and kept drafting with it beside the code requests' DFlash-Block8 until they ended: 208-366
+        request-rounds a pass, a second drafting call in 83-111 steps at concurrency 4 on the
+        reference CPU, where MTP's gate stood at 0.98-1.01 (`logs/s58/router_account.py`)."""
+        active = [row for row in rows if not self._finished(row) and row.generator is not None]
+        groups: dict[str, list[_Row]] = {}
+        for row in active:
+            groups.setdefault(row.arm, []).append(row)
+        for arm in sorted(groups, key=lambda name: (len(groups[name]), name)):
+            group = groups[arm]
+            if not group or arm == NO_DRAFTER or any(row.probing for row in group):
+                continue
+            others = [name for name in groups if name not in (arm, NO_DRAFTER) and groups[name]
+                      and self._arm_open(name) and self._arm_measured(name)
+                      and all(name in row.generators for row in group)]
+            if not others:
+                continue
+            rates = {name: [self._blended_rate(row, name) for row in group] for name in [arm, *others]}
+            shared = max(others, key=lambda name: sum(rates[name]))
+            ratios = [own / max(there, 1e-9) for own, there in zip(rates[arm], rates[shared])]
+            if self._own_drafter_pays(arm, shared, ratios):
+                continue
+            for row in group:
+                row.arm = shared
+                row.switches += 1
+            groups[shared] = groups[shared] + group
+            groups[arm] = []
 
     def _stop_probing_closed(self, row: _Row) -> None:
         """Stop probing the drafters the policy keeps closed while another probed drafter is open,
@@ -1082,6 +1126,7 @@ class SpeculativeEngine:
                 if is_active:
                     self._leave_closed_drafter(row)
                     self._stop_probing_closed(row)
+            self._consolidate(rows)
         # The policy gates each drafter (arm) on its own: rows whose arm it keeps out decode plainly
         # this round, and their drafter catches up on the states it missed when it drafts again.
         arms = {row.arm for row, a in zip(rows, active) if a and (row.generator is not None or self._shadow_arms(row))}
