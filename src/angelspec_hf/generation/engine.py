@@ -291,7 +291,9 @@ class SpeculativeEngine:
     drafter the policy closes moves to an open one, once settled only to one the policy has
     measured: ``switches`` in its stats), and on a drafter the batch's other rows draft with unless
     drafting another for it alone pays for that drafter's extra call (`_batch_choice`; ``call_seconds`` and
-    ``step_seconds`` hold the timings it reads). An arm is competitive for a request when its own
+    ``step_seconds`` hold the timings it reads); settled requests that alone draft with a drafter move
+    together onto one the batch's other rows draft with once that split no longer pays as the batch
+    changes (`_consolidate`, counted in ``switches``). An arm is competitive for a request when its own
     probes' rate is at least ``1 - route_margin`` of the request's best arm's (``arm_record``: arm
     -> [competitive, probed] requests); one competitive for none of at least
     `PRUNE_AFTER_REQUESTS` requests is not probed by later ones.
