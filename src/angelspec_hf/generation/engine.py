@@ -1007,15 +1007,15 @@ class SpeculativeEngine:
         and kept drafting with it beside the code requests' DFlash-Block8 until they ended: 208-366
         request-rounds a pass, a second drafting call in 83-111 steps at concurrency 4 on the
         reference CPU, where MTP's gate stood at 0.98-1.01 (`logs/s58/router_account.py`)."""
-        active = [row for row in rows if not self._finished(row) and row.generator is not None]
         groups: dict[str, list[_Row]] = {}
-        for row in active:
-            groups.setdefault(row.arm, []).append(row)
+        for row in rows:
+            if not self._finished(row) and row.generator is not None:  # "no drafter" has no generator
+                groups.setdefault(row.arm, []).append(row)
         for arm in sorted(groups, key=lambda name: (len(groups[name]), name)):
             group = groups[arm]
-            if not group or arm == NO_DRAFTER or any(row.probing for row in group):
+            if not group or any(row.probing for row in group):
                 continue
-            others = [name for name in groups if name not in (arm, NO_DRAFTER) and groups[name]
+            others = [name for name in groups if name != arm and groups[name]
                       and self._arm_open(name) and self._arm_measured(name)
                       and all(name in row.generators for row in group)]
             if not others:
