@@ -817,6 +817,57 @@ def test_a_request_joins_the_drafter_its_batch_drafts_with_unless_a_split_pays(s
     assert row.arm == "fitted"
 
 
+
+def test_drafting_calls_are_priced_by_a_line_through_their_sizes():
+    """A drafting call's fixed part and per-row part, from calls of two or more sizes: the
+    least-squares line, flat where larger calls timed faster, through the origin where the line
+    would cut below it; nothing from one size."""
+    from angelspec_hf.generation.engine import call_seconds_at
+
+    assert call_seconds_at({}, 4) is None and call_seconds_at({2: 0.01}, 4) is None
+    assert call_seconds_at({1: 0.008, 4: 0.0135}, 4) == pytest.approx(0.0135)
+    assert call_seconds_at({1: 0.008, 4: 0.0135}, 2) == pytest.approx(0.008 + 0.0055 / 3)
+    assert call_seconds_at({1: 0.008, 2: 0.010, 3: 0.012}, 16) == pytest.approx(0.006 + 0.002 * 16)
+    assert call_seconds_at({1: 0.010, 4: 0.008}, 4) == pytest.approx(0.009)  # no negative slope
+    assert call_seconds_at({1: 0.001, 2: 0.004}, 4) == pytest.approx(4 * 0.009 / 5)  # no negative intercept
+
+
+def test_a_probe_is_priced_at_the_batchs_share_of_its_drafters_call(setup):
+    """A probe asks how well a drafter would serve the request with the whole batch drafting with
+    it: its drafting counts the batch's share of a call, not the call it was drafted in alone,
+    once calls of two sizes have been timed; before, what it measured."""
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    assert engine._probe_draft_seconds("useless", 4, 0.008) == 0.008
+    engine.call_sizes["useless"] = {1: 0.008, 4: 0.0135}
+    assert engine._probe_draft_seconds("useless", 4, 0.008) == pytest.approx(0.0135 / 4)
+    assert engine._probe_draft_seconds("useless", 2, 0.008) == pytest.approx((0.008 + 0.0055 / 3) / 2)
+    # A routed pass records every call's size, and its probes stay exact.
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    _serve_five_checked(setup, engine)
+    assert set(engine.call_sizes) <= {"fitted", "useless"} and engine.call_sizes
+    assert all(size >= 1 and seconds > 0 for sizes in engine.call_sizes.values() for size, seconds in sizes.items())
+
+
+def test_a_probing_request_is_verified_with_the_batchs_drafter_unless_another_is_well_ahead(setup):
+    """The arm verified while a request probes is the best pooled one, unless the batch's rows draft
+    with another drafter the pooled evidence does not put more than 10% behind it: verifying the
+    newcomer with the other would split the batch's drafting into two calls."""
+    from angelspec_hf.generation.engine import _Row
+
+    engine = _fitted_against_useless(setup, max_batch_size=4)
+    engine.call_seconds, engine.step_seconds = {"fitted": 0.01, "useless": 0.01}, 0.1
+    engine.arm_evidence.update({"fitted": [105, 1.0, 40], "useless": [100, 1.0, 40]})
+    probing = ["fitted", "useless", "none"]
+    assert engine._live_arm(probing) == "fitted"  # an empty batch: the pooled best
+    other = _Row(1, [1, 2, 3], 3, 10, arm="useless", generators={"useless": object()})
+    engine._rows = [other]
+    assert engine._live_arm(probing) == "useless"  # 5% ahead: not worth a second call
+    engine.arm_evidence["fitted"] = [115, 1.0, 40]
+    assert engine._live_arm(probing) == "fitted"  # 15% ahead by every request's probes
+    engine.arm_evidence["fitted"] = [105, 1.0, 40]
+    other.tokens += [4] * 10  # a finished row drafts with nothing
+    assert engine._live_arm(probing) == "fitted"
+
 def test_a_group_joins_the_drafter_the_batch_drafts_with_once_its_own_call_does_not_pay(setup):
     """Settled requests keep a drafter only they draft with while their mean rate ratio over the
     batch's other drafter beats ``1 + B * call / (step * rows)`` (4 rows, a 0.01 s call, a 0.1 s

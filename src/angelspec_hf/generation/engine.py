@@ -173,6 +173,27 @@ def steady_call_seconds(observe_seconds: float, propose_seconds: float, latest_s
     return observe_seconds * sum(latest_shares) / len(latest_shares) + propose_seconds
 
 
+
+def call_seconds_at(samples: dict[int, float], rows: int) -> float | None:
+    """A drafting call's seconds for ``rows`` rows, read off ``samples`` (rows -> seconds of calls
+    of that many rows) by a least-squares line, kept non-negative in slope and intercept; None
+    until calls of two different sizes have been timed.
+
+    Why a line: a drafting call has a fixed part (weights read, kernels launched) and a part per
+    row. On the reference CPU at concurrency 4 a DFlash-Block8 call took 8 ms for one row and 13.5
+    for four, so neither the per-row share of one size nor the whole call prices another size."""
+    if len(samples) < 2:
+        return None
+    sizes = list(samples)
+    mean_n = sum(sizes) / len(sizes)
+    mean_t = sum(samples.values()) / len(sizes)
+    spread = sum((n - mean_n) ** 2 for n in sizes)
+    slope = max(0.0, sum((n - mean_n) * (samples[n] - mean_t) for n in sizes) / spread)
+    intercept = mean_t - slope * mean_n
+    if intercept < 0:  # steeper than proportional: the line through the origin instead
+        slope, intercept = sum(n * samples[n] for n in sizes) / sum(n * n for n in sizes), 0.0
+    return intercept + slope * rows
+
 @dataclass
 class _Probe:
     """One arm's draft in a routed request's probe round, scored once the request has committed
@@ -323,6 +344,9 @@ class SpeculativeEngine:
         # a drafter that would draft for one row alone (`_split_threshold`).
         self.call_seconds: dict[str, float] = {}
         self.step_seconds: float | None = None
+        # Per drafter, moving averages of its calls' steady seconds by the rows they drafted for,
+        # which price a probe's drafting at the batch's size (`_probe_draft_seconds`).
+        self.call_sizes: dict[str, dict[int, float]] = {}
         # A batch policy (`BatchDCutPolicy`) sizes each step's verify window across requests and
         # may skip drafting; without one every row's draft is verified whole.
         self.policy = policy
@@ -774,12 +798,27 @@ class SpeculativeEngine:
 
     def _live_arm(self, probing: list[str]) -> str:
         """The arm verified while a request probes: the best pooled one, or the first drafter
-        before there is evidence (a shadow arm costs its drafting either way)."""
+        before there is evidence (a shadow arm costs its drafting either way); but the drafter the
+        batch's rows draft with while the pooled evidence does not put the best one more than
+        `MIGRATE_MARGIN` ahead of it (`_own_drafter_pays`, as a request settling would).
+
+        Why: with probes priced at the batch's size (`_probe_draft_seconds`), two drafters a few
+        percent apart trade the lead in the pooled rates from request to request, and a request
+        verified with the other one splits the batch's drafting into two calls a step while it
+        probes, then settles with the rows it joined: at concurrency 4 on the reference CPU the
+        requests of a pass settled on DFlash-Block8 and DFly-Block8 by turns (6 and 10 of 16), the
+        batch's drafter changing with them (`logs/s59/router_trace.py`)."""
         rates = {arm: self._pooled_rate(arm) for arm in probing}
         known = [arm for arm in probing if rates[arm] is not None]
-        if known:
-            return max(known, key=lambda arm: rates[arm])
-        return next((arm for arm in probing if arm != NO_DRAFTER), NO_DRAFTER)
+        if not known:
+            return next((arm for arm in probing if arm != NO_DRAFTER), NO_DRAFTER)
+        best = max(known, key=lambda arm: rates[arm])
+        in_use = self._arms_in_use(None)
+        shared = [arm for arm in known if arm in in_use and arm != NO_DRAFTER and self._arm_open(arm)]
+        if best == NO_DRAFTER or best in shared or not shared:
+            return best
+        partner = max(shared, key=lambda arm: rates[arm])
+        return best if self._own_drafter_pays(best, partner, [rates[best] / max(rates[partner], 1e-9)]) else partner
 
     @staticmethod
     def _probes_drafted(row: _Row, arm: str) -> int:
@@ -802,6 +841,21 @@ class SpeculativeEngine:
         if row.arm != NO_DRAFTER and not self._arm_open(row.arm):
             return []
         return [arm for arm in row.probing if arm not in (row.arm, NO_DRAFTER) and self._wants_probe(row, arm)]
+
+    def _probe_draft_seconds(self, arm: str, batch: int, measured: float) -> float:
+        """What a probe of ``arm`` costs in drafting: its share of a call drafting for the whole
+        ``batch`` (`call_seconds_at`), else the ``measured`` share of the call it was drafted in.
+
+        Why: a probe asks how well a drafter would serve the request were the batch drafting with
+        it; what drafting for the request alone adds is priced apart (`_split_threshold`). Priced
+        as measured, a shadow probe drafted for one or two rows paid its call's fixed cost alone
+        while the verified drafter's was shared by the batch, so the drafter a request was verified
+        with won its probes and, through them, the pooled evidence: at concurrency 4 on the
+        reference CPU (an Intel Xeon with AMX), between DFlash-Block8 and DFly-Block8, in 18 of the
+        24 code and math requests of two passes; priced this way, in 5 of 12
+        (`logs/s59/router_trace.py`)."""
+        at_batch = call_seconds_at(self.call_sizes.get(arm, {}), batch)
+        return measured if at_batch is None else at_batch / max(batch, 1)
 
     def _add_probe(self, row: _Row, arm: str, draft: list[int], seconds: float) -> None:
         row.probes.append(_Probe(arm, len(row.tokens), draft, seconds))
@@ -908,8 +962,8 @@ class SpeculativeEngine:
             return True
         return sum(ratios) / len(ratios) > self._split_threshold(arm, len(ratios))
 
-    def _arms_in_use(self, row: _Row) -> set[str]:
-        """The drafters the batch's other active rows are verified with."""
+    def _arms_in_use(self, row: _Row | None) -> set[str]:
+        """The drafters the batch's other active rows (all of them for None) are verified with."""
         return {other.arm for other in self._rows
                 if other is not row and other.generator is not None and not self._finished(other)}
 
@@ -1088,6 +1142,7 @@ class SpeculativeEngine:
             for arm in self._shadow_arms(row):
                 groups.setdefault((arm, *decoding), []).append((i, False))
         drafts: list[list[int]] = [[] for _ in rows]
+        batch = sum(not self._finished(row) for row in rows)
         for (arm, *_), members in groups.items():
             ids = [torch.tensor([rows[i].tokens], device=self.target.device) for i, _ in members]
             generators = [rows[i].generators[arm] for i, _ in members]
@@ -1104,6 +1159,8 @@ class SpeculativeEngine:
             share = (end - observed) / len(members)
             steady = steady_call_seconds(observed - start, end - observed, [latest for _, latest in pending])
             self.call_seconds[arm] = moving_average(self.call_seconds.get(arm), steady, TIMING_SMOOTHING)
+            sizes = self.call_sizes.setdefault(arm, {})
+            sizes[len(members)] = moving_average(sizes.get(len(members)), steady, TIMING_SMOOTHING)
             for (i, verified), row_ids, (candidates, logits), caught_up in zip(members, ids, proposals, seconds):
                 row, draft = rows[i], candidates[0, row_ids.shape[1]:].tolist()
                 if verified:
@@ -1111,7 +1168,7 @@ class SpeculativeEngine:
                     row.draft_logits = logits
                     row.draft_seconds = caught_up + share
                 if draft and self._wants_probe(row, arm):
-                    self._add_probe(row, arm, draft, caught_up + share)
+                    self._add_probe(row, arm, draft, self._probe_draft_seconds(arm, batch, caught_up + share))
         return drafts
 
     def _step(self, rows, cache, valid, queued: bool):
