@@ -9,6 +9,7 @@ import torch
 from angelspec_hf import DFlyDrafter
 from angelspec_hf.errors import DrafterCheckpointError, DrafterConfigError
 from angelspec_hf.interop import export_dflash, load_dflash
+from angelspec_hf.benchmark import transformers_dflash_assistant
 from angelspec_hf.interop.dflash import dflash_drafter_config
 from conftest import PROMPT_LENGTH
 
@@ -61,6 +62,14 @@ def test_a_dflash2_checkpoint_is_refused_clearly(targets, tmp_path):
 
 
 def test_the_dflash_package_loads_our_export_strictly_and_drafts_the_same(targets, tmp_path, monkeypatch):
+    """Our DFlash-mode drafter, the z-lab dflash package and transformers' own DFlash path on the same
+    weights: the same output, and the same tokens per round.
+
+    Two implementations of one drafter are not bitwise equal, so a draft token whose two best
+    logits are nearly tied can go either way: on an Intel Xeon with AMX (session 59; float64 gave the
+    same) one round of the package's drafted one token fewer and the next one more. Rounds are
+    compared as sequences that may trade at most one token between two neighbouring rounds once
+    over the four prompts."""
     dflash_model = pytest.importorskip("dflash.model")
     import time
 
@@ -70,6 +79,8 @@ def test_the_dflash_package_loads_our_export_strictly_and_drafts_the_same(target
     peer, info = dflash_model.DFlashDraftModel.from_pretrained(tmp_path, output_loading_info=True, dtype=torch.float32)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     peer.eval()
+    native = transformers_dflash_assistant(drafter, torch.float32)
+    traded = 0
     for row in targets.sequences("llama")[:4]:
         prompt = row[None, :PROMPT_LENGTH]
         ours = target.generate(prompt, assistant_model=drafter, max_new_tokens=30, do_sample=False, eos_token_id=None)
@@ -80,7 +91,25 @@ def test_the_dflash_package_loads_our_export_strictly_and_drafts_the_same(target
         our_rounds = [a + 1 for a in drafter.last_speculation_stats.accepted]
         # Same weights, same drafts: the same tokens per round. Only the last rounds may differ,
         # where the two loops size the final draft to the length limit differently.
-        assert len(our_rounds) > 3 and theirs.acceptance_lengths[:-2] == our_rounds[: len(theirs.acceptance_lengths) - 2]
+        compared = len(theirs.acceptance_lengths) - 2
+        mine, peers = our_rounds[:compared], theirs.acceptance_lengths[:compared]
+        assert len(our_rounds) > 3 and len(mine) == len(peers)
+        differing = [i for i, (a, b) in enumerate(zip(mine, peers)) if a != b]
+        if differing:  # one traded token: two neighbouring rounds, or the last compared one (its partner uncompared)
+            first = differing[0]
+            assert differing == [compared - 1] or (
+                differing == [first, first + 1] and mine[first] + mine[first + 1] == peers[first] + peers[first + 1]), (mine, peers)
+            traded += 1
+        forwards = []
+        hook = target.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            theirs_native = target.generate(prompt, assistant_model=native, speculation_type="dflash", max_new_tokens=30,
+                                            do_sample=False, eos_token_id=None)
+        finally:
+            hook.remove()
+        # transformers' loop: the prefill forward, then one verify forward per round.
+        assert torch.equal(theirs_native, ours) and len(forwards) == len(our_rounds) + 1
+    assert traded <= 1
 
 
 def test_convert_command_both_ways(targets, tmp_path):

@@ -173,7 +173,6 @@ def steady_call_seconds(observe_seconds: float, propose_seconds: float, latest_s
     return observe_seconds * sum(latest_shares) / len(latest_shares) + propose_seconds
 
 
-
 def call_seconds_at(samples: dict[int, float], rows: int) -> float | None:
     """A drafting call's seconds for ``rows`` rows, read off ``samples`` (rows -> seconds of calls
     of that many rows) by a least-squares line, kept non-negative in slope and intercept; None
@@ -193,6 +192,7 @@ def call_seconds_at(samples: dict[int, float], rows: int) -> float | None:
     if intercept < 0:  # steeper than proportional: the line through the origin instead
         slope, intercept = sum(n * samples[n] for n in sizes) / sum(n * n for n in sizes), 0.0
     return intercept + slope * rows
+
 
 @dataclass
 class _Probe:
@@ -306,8 +306,10 @@ class SpeculativeEngine:
     `generate` calls (``arm_evidence.clear()`` forgets it, for example when the workload changes).
 
     Routing: ``probe_rounds`` probes per arm, drafted side by side in the request's first drafting
-    rounds while the pooled best arm (the first drafter before there is evidence) is verified. The
-    request then settles on the arm with the best rate, its own probes weighed against the pooled
+    rounds while the pooled best arm (the first drafter before there is evidence; the batch's own
+    drafter unless the pooled best is `MIGRATE_MARGIN` ahead of it) is verified, each probe's drafting
+    priced at its share of a call for the whole batch (``call_sizes``: arm -> rows -> seconds of its
+    calls). The request then settles on the arm with the best rate, its own probes weighed against the pooled
     evidence (a drafter the policy keeps closed only if every drafter is closed; a request whose
     drafter the policy closes moves to an open one, once settled only to one the policy has
     measured: ``switches`` in its stats), and on a drafter the batch's other rows draft with unless
