@@ -221,8 +221,8 @@ def test_a_dflash_drafter_also_runs_through_transformers_own_dflash_path(targets
     """The benchmark runs a DFlash-mode drafter through transformers' own path too, checked exact,
     with tau from the target's counted forwards. That the two paths draft alike is checked in
     test_interop_dflash, on text the tiny drafter drafts well: on these two prompts it accepts a
-    token or two in all, so one nearly tied logit, which two implementations may break apart,
-    decides the comparison (on an Intel Xeon with AMX, session 59: 1.16 against 1.0, in float64 too)."""
+    token or two in all, so a single draft token decides a comparison of tau (on an Intel Xeon with
+    AMX, session 59, with the tiny drafter fitted there: 1.16 against 1.0, in float64 too)."""
     target = targets.target("llama")
     drafters = {"dflash": targets.fitted("llama", "dfly-global-nocorr")}
     rows = summarise(run_benchmark(target, tiny_tokenizer(), drafters, ["math"], per_set=2, max_new_tokens=12))
