@@ -1,6 +1,7 @@
 """The engine's cache: appends in place, holds exactly what concatenation would, never writes into
 tensors it does not own."""
 
+import pytest
 import torch
 import angelspec_hf.generation.buffered_cache as buffered
 from angelspec_hf.generation.buffered_cache import BufferedCache, BufferedLayer
@@ -110,3 +111,54 @@ def test_the_engine_decodes_in_a_buffered_cache_without_copying_every_step():
                 buffers.append(layer._buffers[0].data_ptr())
     changes = sum(a != b for a, b in zip(buffers, buffers[1:]))
     assert len(buffers) >= 38 and changes <= 3
+
+
+def test_a_placed_row_is_left_padded_with_zeros_and_must_fit():
+    layer, other = BufferedLayer(), BufferedLayer()
+    mine, theirs = states(3, 6, seed=3), states(2, 4, seed=4)
+    layer.update(*mine)
+    other.update(*theirs)
+    layer.place(1, other, 0)
+    assert torch.equal(layer.keys[1], torch.cat([torch.zeros(2, 2, 4), theirs[0][0]], dim=1))
+    assert torch.equal(layer.values[1], torch.cat([torch.zeros(2, 2, 4), theirs[1][0]], dim=1))
+    assert torch.equal(layer.keys[0], mine[0][0]) and torch.equal(layer.keys[2], mine[0][2])  # the others untouched
+    wide = BufferedLayer()
+    wide.update(*states(1, 8, seed=5))
+    with pytest.raises(ValueError, match="does not fit"):
+        layer.place(0, wide, 0)
+
+
+def test_joining_requests_take_over_finished_rows_without_restacking_the_batch():
+    """While requests wait, a finished request's cache row is handed to the next joining request
+    (written in place) instead of the batch's cache being copied twice (rows dropped, rows stacked);
+    every output stays that of plain decoding alone."""
+    from angelspec_hf import DFlyDrafter
+
+    target = tiny_target("llama", seed=0)
+    drafter = DFlyDrafter.from_target(target, block_size=4).eval()
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [3, 4], [17, 18, 19], [20, 21, 22, 23], [7, 8, 9]]
+    lengths = [9, 14, 6, 11, 7, 12, 8]  # rows finish on different steps
+    placed, stacked = [], []
+    place, stack = BufferedLayer.place, BufferedLayer.stack
+    for name, original, calls in (("place", place, placed), ("stack", stack, stacked)):
+        def counted(self, *args, _original=original, _calls=calls):
+            _calls.append(1)
+            return _original(self, *args)
+        setattr(BufferedLayer, name, counted)
+    try:
+        for model in (None, drafter):
+            engine = SpeculativeEngine(target, model, max_batch_size=3)
+            for prompt, length in zip(prompts, lengths):
+                engine.submit(prompt, max_new_tokens=length, eos_token_id=None)
+            outputs = {}
+            with torch.no_grad():
+                while engine.has_work:
+                    for event in engine.step():
+                        outputs.setdefault(event.request, []).extend(event.tokens)
+            for index, (prompt, length) in enumerate(zip(prompts, lengths)):
+                expected = target.generate(torch.tensor([prompt]), max_new_tokens=length, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+                assert outputs[index] == expected, (model, index)
+    finally:
+        BufferedLayer.place, BufferedLayer.stack = place, stack
+    assert placed and len(placed) > len(stacked), (len(placed), len(stacked))

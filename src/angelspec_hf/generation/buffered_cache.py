@@ -93,6 +93,16 @@ class BufferedLayer(DynamicLayer):
         self._buffers = (keys, values)
         self._set_views(0, length)
 
+    def place(self, row: int, other: DynamicLayer, other_row: int) -> None:
+        """Hold ``other``'s row ``other_row`` in row ``row``, left-padded with zeros to this layer's
+        columns (``other`` may have no more of them); the row's old contents are overwritten."""
+        columns, length = other.keys.shape[2], self._length()
+        if columns > length:
+            raise ValueError(f"a row of {columns} columns does not fit a layer of {length}")
+        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            mine[row, :, : length - columns].zero_()
+            mine[row, :, length - columns:] = theirs[other_row]
+
     def keep_columns(self, first: int, last: int) -> None:
         """Keep columns ``first`` to ``last`` (exclusive) only; a view, no copy."""
         if self._owns_views():
