@@ -128,7 +128,7 @@ def test_a_placed_row_is_left_padded_with_zeros_and_must_fit():
         layer.place(0, wide, 0)
 
 
-def test_joining_requests_take_over_finished_rows_without_restacking_the_batch():
+def test_joining_requests_take_over_finished_rows_without_restacking_the_batch(monkeypatch):
     """While requests wait, a finished request's cache row is handed to the next joining request
     (written in place) instead of the batch's cache being copied twice (rows dropped, rows stacked);
     every output stays that of plain decoding alone."""
@@ -138,27 +138,23 @@ def test_joining_requests_take_over_finished_rows_without_restacking_the_batch()
     drafter = DFlyDrafter.from_target(target, block_size=4).eval()
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [3, 4], [17, 18, 19], [20, 21, 22, 23], [7, 8, 9]]
     lengths = [9, 14, 6, 11, 7, 12, 8]  # rows finish on different steps
-    placed, stacked = [], []
-    place, stack = BufferedLayer.place, BufferedLayer.stack
-    for name, original, calls in (("place", place, placed), ("stack", stack, stacked)):
-        def counted(self, *args, _original=original, _calls=calls):
-            _calls.append(1)
+    calls = {"place": 0, "stack": 0}
+    for name in calls:
+        def counted(self, *args, _name=name, _original=getattr(BufferedLayer, name)):
+            calls[_name] += 1
             return _original(self, *args)
-        setattr(BufferedLayer, name, counted)
-    try:
-        for model in (None, drafter):
-            engine = SpeculativeEngine(target, model, max_batch_size=3)
-            for prompt, length in zip(prompts, lengths):
-                engine.submit(prompt, max_new_tokens=length, eos_token_id=None)
-            outputs = {}
-            with torch.no_grad():
-                while engine.has_work:
-                    for event in engine.step():
-                        outputs.setdefault(event.request, []).extend(event.tokens)
-            for index, (prompt, length) in enumerate(zip(prompts, lengths)):
-                expected = target.generate(torch.tensor([prompt]), max_new_tokens=length, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-                assert outputs[index] == expected, (model, index)
-    finally:
-        BufferedLayer.place, BufferedLayer.stack = place, stack
-    assert placed and len(placed) > len(stacked), (len(placed), len(stacked))
+        monkeypatch.setattr(BufferedLayer, name, counted)
+    for model in (None, drafter):
+        engine = SpeculativeEngine(target, model, max_batch_size=3)
+        for prompt, length in zip(prompts, lengths):
+            engine.submit(prompt, max_new_tokens=length, eos_token_id=None)
+        outputs = {}
+        with torch.no_grad():
+            while engine.has_work:
+                for event in engine.step():
+                    outputs.setdefault(event.request, []).extend(event.tokens)
+        for index, (prompt, length) in enumerate(zip(prompts, lengths)):
+            expected = target.generate(torch.tensor([prompt]), max_new_tokens=length, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert outputs[index] == expected, (model, index)
+    assert calls["place"] and calls["place"] > calls["stack"], calls

@@ -407,14 +407,12 @@ class SpeculativeEngine:
         joining = []
         while self._waiting and len(self._rows) - len(self._vacant) + len(joining) < self.max_batch_size:
             joining.append(self._waiting.pop(0))
-        if joining:
-            parts = self._prefill_parts(joining)
-            parts = self._place_joined(parts)
-            self._drop_vacant()
-            self._cache, self._valid = self._merge([(self._cache, self._valid)] * (self._cache is not None)
-                                                   + [part for part, _ in parts])
-            self._rows += [row for _, members in parts for row in members]
+        left = self._place_joined(self._prefill_parts(joining)) if joining else []
         self._drop_vacant()
+        if left:
+            batch = [(self._cache, self._valid)] if self._cache is not None else []
+            self._cache, self._valid = self._merge(batch + [part for part, _ in left])
+            self._rows += [row for _, members in left for row in members]
         rows = self._rows
         start = time.perf_counter()
         self._cache, self._valid = self._step(rows, self._cache, self._valid, queued=bool(self._waiting))
@@ -429,18 +427,13 @@ class SpeculativeEngine:
                 events.append(EngineEvent(row.index, new, done))
             if done:
                 self._retire(row)
-        if finished and self._waiting and len(finished) < len(rows):
-            # Requests wait: their prefilled caches take these rows over next step (`_place_joined`).
+        if finished:
             self._vacant = finished
-            self._valid[finished] = False
-        elif finished:
-            keep = [i for i in range(len(rows)) if i not in finished]
-            self._rows = [rows[i] for i in keep]
-            if self._rows:
-                self._cache.batch_select_indices(torch.tensor(keep, device=self._valid.device))
-                self._valid = self._valid[keep]
+            if self._waiting and len(finished) < len(rows):
+                # Requests wait: their prefilled caches take these rows over next step (`_place_joined`).
+                self._valid[finished] = False
             else:
-                self._cache, self._valid = None, None
+                self._drop_vacant()
         if self._rows:
             self._cache, self._valid = self._trim(self._cache, self._valid)
             self.peak_cache_length = max(self.peak_cache_length, self._valid.shape[1])
@@ -701,9 +694,9 @@ class SpeculativeEngine:
             slots, self._vacant = self._vacant[: len(members)], self._vacant[len(members):]
             length = self._valid.shape[1]
             for index, layer in enumerate(self._cache.layers):
-                for slot, part_row in zip(slots, range(len(members))):
+                for part_row, slot in enumerate(slots):
                     layer.place(slot, cache.layers[index], part_row)
-            for slot, part_row, row in zip(slots, range(len(members)), members):
+            for part_row, (slot, row) in enumerate(zip(slots, members)):
                 self._valid[slot] = _pad_left(valid[part_row : part_row + 1], length, 1, False)[0]
                 self._rows[slot] = row
         return left
@@ -751,8 +744,6 @@ class SpeculativeEngine:
     def _merge(parts: list[tuple[BufferedCache, torch.Tensor]]) -> tuple[BufferedCache, torch.Tensor]:
         """Caches and their valid columns stacked row-wise in the given order (the first cache, its
         layers replaced), each left-padded to the longest with invalid columns."""
-        if not parts:
-            return None, None
         cache = parts[0][0]
         if len(parts) == 1:
             return parts[0]
@@ -863,13 +854,9 @@ class SpeculativeEngine:
         known = [arm for arm in probing if rates[arm] is not None]
         if not known:
             return next((arm for arm in probing if arm != NO_DRAFTER), NO_DRAFTER)
-        best = max(known, key=lambda arm: rates[arm])
         in_use = self._arms_in_use(None)
-        shared = [arm for arm in known if arm in in_use and arm != NO_DRAFTER and self._arm_open(arm)]
-        if best == NO_DRAFTER or best in shared or not shared:
-            return best
-        partner = max(shared, key=lambda arm: rates[arm])
-        return best if self._own_drafter_pays(best, partner, [rates[best] / max(rates[partner], 1e-9)]) else partner
+        return self._best_unless_shared_pays_more(
+            {arm: rates[arm] for arm in known}, [arm for arm in known if arm in in_use and self._arm_open(arm)])
 
     @staticmethod
     def _probes_drafted(row: _Row, arm: str) -> int:
@@ -995,9 +982,14 @@ class SpeculativeEngine:
         against 206 for DFlash alone, 1-3 rows each), 6.2 s of drafting a pass against 3.2 s,
         which was the router's whole gap to DFlash + D-cut (38.1 s against 35.0 s, the same
         number of steps; `logs/s48/router_trace.py`)."""
-        best = max(rates, key=lambda arm: rates[arm])
         in_use = self._arms_in_use(row)
-        shared = [arm for arm in rates if arm in in_use]
+        return self._best_unless_shared_pays_more(rates, [arm for arm in rates if arm in in_use])
+
+    def _best_unless_shared_pays_more(self, rates: dict[str, float], shared: list[str]) -> str:
+        """The arm with the best rate, unless it is a drafter outside ``shared`` (drafters the
+        batch's other rows draft with): then the best of ``shared``, unless drafting the best one
+        beside them pays (`_own_drafter_pays`). "No drafter" adds no call, so it is never held back."""
+        best = max(rates, key=lambda arm: rates[arm])
         if best == NO_DRAFTER or best in shared or not shared:
             return best
         partner = max(shared, key=lambda arm: rates[arm])
