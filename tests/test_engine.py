@@ -817,7 +817,6 @@ def test_a_request_joins_the_drafter_its_batch_drafts_with_unless_a_split_pays(s
     assert row.arm == "fitted"
 
 
-
 def test_drafting_calls_are_priced_by_a_line_through_their_sizes():
     """A drafting call's fixed part and per-row part, from calls of two or more sizes: the
     least-squares line, flat where larger calls timed faster, through the origin where the line
@@ -867,6 +866,7 @@ def test_a_probing_request_is_verified_with_the_batchs_drafter_unless_another_is
     engine.arm_evidence["fitted"] = [105, 1.0, 40]
     other.tokens += [4] * 10  # a finished row drafts with nothing
     assert engine._live_arm(probing) == "fitted"
+
 
 def test_a_group_joins_the_drafter_the_batch_drafts_with_once_its_own_call_does_not_pay(setup):
     """Settled requests keep a drafter only they draft with while their mean rate ratio over the
@@ -1161,9 +1161,9 @@ def test_probes_pause_while_the_verified_drafter_is_measured_closed(setup):
     drafted: list[str] = []
     draft = engine._draft
 
-    def recorded(rows, active):
+    def recorded(rows, active, batch):
         drafted.extend(arm for row, a in zip(rows, active) if a for arm in engine._shadow_arms(row))
-        return draft(rows, active)
+        return draft(rows, active, batch)
 
     engine._draft = recorded
     _serve_five_checked(setup, engine, forward_seconds=0.01)

@@ -1169,10 +1169,11 @@ class SpeculativeEngine:
             return arms
         return [arm for arm in arms if arm == NO_DRAFTER or self._arm_open(arm)]
 
-    def _draft(self, rows: list[_Row], active: list[bool]) -> list[list[int]]:
+    def _draft(self, rows: list[_Row], active: list[bool], batch: int) -> list[list[int]]:
         """Every active row's draft, and the shadow drafts of probing rows: each drafter ingests the
         new states of all its rows, then drafts for all of them, in batched calls (`observe_many`,
-        `propose_many`), their time shared evenly."""
+        `propose_many`), their time shared evenly; ``batch``: the step's unfinished rows, at whose
+        size probes are priced (`_probe_draft_seconds`)."""
         # (arm, decoding) -> (row, verified?) of the rows it drafts for: a batched draft picks every
         # row's tokens one way, so greedy and sampled rows (or rows with and without warpers) draft apart.
         groups: dict[tuple[str, bool, bool], list[tuple[int, bool]]] = {}
@@ -1185,7 +1186,6 @@ class SpeculativeEngine:
             for arm in self._shadow_arms(row):
                 groups.setdefault((arm, *decoding), []).append((i, False))
         drafts: list[list[int]] = [[] for _ in rows]
-        batch = sum(not self._finished(row) for row in rows)
         for (arm, *_), members in groups.items():
             ids = [torch.tensor([rows[i].tokens], device=self.target.device) for i, _ in members]
             generators = [rows[i].generators[arm] for i, _ in members]
@@ -1238,7 +1238,7 @@ class SpeculativeEngine:
         drafting = any(drafting_rows)
         for row in rows:
             row.draft_seconds, row.draft_logits = 0.0, None
-        drafts = self._draft(rows, drafting_rows) if drafting else [[] for _ in rows]
+        drafts = self._draft(rows, drafting_rows, batch) if drafting else [[] for _ in rows]
         for row, is_active in zip(rows, active):
             # "No drafter" gains the target's one token a round: a probe of it is any round the
             # policy does not keep the row's arm out of (a closed one would make every arm look like it).
