@@ -332,6 +332,35 @@ def test_a_drafters_first_batch_step_waits_until_a_miss_is_cheap():
     assert policy.window(certain, batch=16, context=10, arms=["a"] * 16) == 8
 
 
+def test_a_drafters_first_batch_step_waits_where_a_good_drafter_would_only_break_even():
+    from angelspec_hf.generation import BatchDCutPolicy
+    from angelspec_hf.generation.dcut import FIRST_STEP_ACCEPTANCE, FIRST_STEP_MIN_EFFICIENCY
+
+    # Batch 16 like the reference CPU's: a window of 2 costs 1.4 plain steps (under the two of
+    # `first_window`), each more token 0.35 more; batch 1 nearly flat.
+    def cost(per_token: float) -> CostModel:
+        return CostModel(target="t", hardware="t", tokens=[1, 2, 8], contexts=[0, 100], batch_sizes=[1, 16],
+                         seconds=[[[1.0, 1.0], [1.05, 1.05], [1.2, 1.2]],
+                                  [[2.0, 2.0], [2.8, 2.8], [2.8 + 6 * per_token, 2.8 + 6 * per_token]]])
+
+    steep = BatchDCutPolicy(cost(0.7), explore_every=1000)
+    assert steep.first_window(16, 10) == 3  # 2.8 and 3.5 seconds fit under 4, 4.2 does not
+    # Brute force over the windows that fit: positions accepted at 0.7 each, over plain's 16 / 2.0.
+    best = max((sum(FIRST_STEP_ACCEPTANCE ** j for j in range(w)) * 16 / seconds) / (16 / 2.0)
+               for w, seconds in ((2, 2.8), (3, 3.5)))
+    assert steep.first_step_efficiency(16, 10) == pytest.approx(best)
+    assert best < FIRST_STEP_MIN_EFFICIENCY
+    assert not steep.should_draft(16, 10, True, arm="a") and steep.should_draft(1, 10, True, arm="a")
+    # Measured once, the drafter is gated as usual at any batch.
+    steep.observe([([0.9] * 7, 7)], batch=1, width=8, context=10, draft_seconds=0.01, arms=["a"])
+    assert steep.should_draft(16, 10, True, arm="a")
+
+    # Where each more token costs little, the same first step pays and is taken.
+    flat = BatchDCutPolicy(cost(0.05), explore_every=1000)
+    assert flat.first_step_efficiency(16, 10) >= FIRST_STEP_MIN_EFFICIENCY
+    assert flat.should_draft(16, 10, True, arm="a")
+
+
 def test_batch_dcut_drafts_less_as_the_batch_grows():
     from angelspec_hf.generation import BatchDCutPolicy
 
@@ -529,7 +558,7 @@ def test_batch_gate_without_a_measured_step_cannot_predict():
     from angelspec_hf.generation import BatchDCutPolicy
 
     policy = BatchDCutPolicy(batch16_cost())
-    assert policy.should_draft(16, 10, False)
+    assert policy.should_draft(1, 10, False)  # unmeasured, it drafts where a first step may pay
     with pytest.raises(ValueError, match="measured drafting step"):
         policy.predicted_efficiency(16, 10)
 

@@ -388,19 +388,28 @@ def test_engine_tells_the_batch_policy_whether_requests_wait_and_what_rows_have_
     assert set(policy.calibrators) == {"drafter"}
 
 
-def test_batch_dcut_stops_drafting_that_never_pays(setup):
-    from angelspec_hf.generation import BatchDCutPolicy, CostModel
+def test_batch_dcut_stops_drafting_that_never_pays(setup, monkeypatch):
+    from angelspec_hf.generation import BatchDCutPolicy, CostModel, dcut
 
     target, drafters, prompts = setup
     # Every slot costs a whole forward: drafts can only lose.
     seconds = [[[1.0, 1.0], [8.0, 8.0]]]
-    policy = BatchDCutPolicy(CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 512], batch_sizes=[1],
-                                       seconds=seconds), explore_every=4)
-    engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=4, policy=policy)
-    outputs = engine.generate(prompts, max_new_tokens=25)
-    for prompt, output in zip(prompts, outputs):
-        assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
-    steps = sum(entry["rounds"] for entry in engine.stats) / 4  # engine steps, at least
+
+    def run():
+        policy = BatchDCutPolicy(CostModel(target="t", hardware="t", tokens=[1, 8], contexts=[0, 512],
+                                           batch_sizes=[1], seconds=seconds), explore_every=4)
+        engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=4, policy=policy)
+        outputs = engine.generate(prompts, max_new_tokens=25)
+        for prompt, output in zip(prompts, outputs):
+            assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
+        return policy, sum(entry["rounds"] for entry in engine.stats) / 4  # engine steps, at least
+
+    # Not even a good drafter would pay here, so the drafter never takes its first step.
+    policy, _ = run()
+    assert policy.windows == [] and policy.gate_for("drafter").efficiency is None
+    # Made to take it, the gate measures the loss and closes.
+    monkeypatch.setattr(dcut, "FIRST_STEP_MIN_EFFICIENCY", 0.0)
+    policy, steps = run()
     assert policy.gate_for("drafter").efficiency < 1.0 and len(policy.windows) < steps / 2, (policy.windows, steps)
     assert all(w == 1 for i, w in enumerate(policy.windows, 1) if i % 4), "only exploration keeps drafts"
 

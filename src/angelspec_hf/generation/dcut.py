@@ -376,6 +376,11 @@ class ArmGate(DraftGate):
 # most this many plain steps, searched up to `FIRST_WINDOW_LIMIT` tokens.
 FIRST_STEP_COST = 2.0
 FIRST_WINDOW_LIMIT = 64
+# ... and it is taken only where a drafter whose positions are each accepted with this probability
+# (given the ones before) would make at least `FIRST_STEP_MIN_EFFICIENCY` times plain decoding's tokens
+# per second in such a window, its drafting not counted (`BatchDCutPolicy.first_step_efficiency`).
+FIRST_STEP_ACCEPTANCE = 0.7
+FIRST_STEP_MIN_EFFICIENCY = 1.35
 
 
 class BatchDCutPolicy(_PacedPolicy):
@@ -482,6 +487,23 @@ class BatchDCutPolicy(_PacedPolicy):
             width += 1
         return width
 
+    def first_step_efficiency(self, batch: int, context: int) -> float | None:
+        """Tokens per second over plain decoding's of the best window up to `first_window` at
+        ``batch`` rows and ``context``, for a drafter whose positions are each accepted with
+        probability `FIRST_STEP_ACCEPTANCE` once the ones before them are, its drafting free; None
+        where no draft token fits (`first_window` is 1)."""
+        verify = self.verify(batch, context)
+        plain = verify(1)
+        widths = range(2, self.first_window(batch, context) + 1)
+        return max((sum(FIRST_STEP_ACCEPTANCE ** j for j in range(width)) * plain / verify(width)
+                    for width in widths), default=None)
+
+    def first_step_pays(self, batch: int, context: int) -> bool:
+        """Whether a drafter's first, unmeasured step may be taken at ``batch`` rows and ``context``:
+        its `first_step_efficiency` is at least `FIRST_STEP_MIN_EFFICIENCY` (see `should_draft`)."""
+        efficiency = self.first_step_efficiency(batch, context)
+        return efficiency is not None and efficiency >= FIRST_STEP_MIN_EFFICIENCY
+
     def should_draft(self, batch: int | None = None, context: int | None = None, queued: bool = True,
                      arm: str | None = None) -> bool:
         """Whether ``arm``'s rows draft this step: while its drafting pays; else when
@@ -499,9 +521,21 @@ class BatchDCutPolicy(_PacedPolicy):
         `logs/s54/safe_first_ab.py`): the router 0.925x / 0.946x -> 0.962x / 0.992x; one more rep each
         (`logs/s54/first_window_ab.py`): DFlash-Block8 + D-cut 0.958x -> 0.998x, the router 0.949x ->
         0.982x, and at concurrency 4, where the cap is 8 or more, the router 1.277x. Where a forward is
-        not compute-bound (a GPU, small batches) nothing changes."""
+        not compute-bound (a GPU, small batches) nothing changes.
+
+        Nor is it taken where even a good drafter would only about break even (`first_step_pays`):
+        1.35 times plain decoding's rate for positions accepted at 0.7 each, drafting not counted,
+        leaves room for a block drafter's call at the full batch (about a quarter of a plain step on
+        the reference CPU) and the first call's reading of every prompt. Why: where a window of 2
+        costs under two plain steps (concurrency 16 on the reference target, Intel Xeon with AMX,
+        float32: 1.42x, a window of 4 2.06x; 0.7 per position makes 1.26x there) the first step ran
+        at the full batch, the gate read 1.0-1.07 for 7-15 steps before it closed, and those steps,
+        with the ragged ends of the pass they left, cost 2-5%: paired with plain batched decoding
+        on the main job's 32 requests, DFlash-Block8 + D-cut 0.973x / 0.961x / 0.959x and DFly-Block8
+        + D-cut 0.960x / 0.931x / 0.950x with full-batch first steps, 0.985x / 0.991x / 0.991x and
+        0.990x / 0.988x without them (`logs/s61/ab.py`); its gate forced shut, 1.001x / 0.994x / 0.991x."""
         gate = self.gate_for(arm)
-        if gate.efficiency is None and batch is not None and context is not None and self.first_window(batch, context) < 2:
+        if gate.efficiency is None and batch is not None and context is not None and not self.first_step_pays(batch, context):
             return False
         # A step under the other objective (the queue filled or emptied) is not repriced: timed retries.
         if not gate.paying and batch is not None and context is not None and self.reopens(arm, batch, context, queued):
