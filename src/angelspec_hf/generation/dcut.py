@@ -531,9 +531,10 @@ class BatchDCutPolicy(_PacedPolicy):
         float32: 1.42x, a window of 4 2.06x; 0.7 per position makes 1.26x there) the first step ran
         at the full batch, the gate read 1.0-1.07 for 7-15 steps before it closed, and those steps,
         with the ragged ends of the pass they left, cost 2-5%: paired with plain batched decoding
-        on the main job's 32 requests, DFlash-Block8 + D-cut 0.973x / 0.961x / 0.959x and DFly-Block8
-        + D-cut 0.960x / 0.931x / 0.950x with full-batch first steps, 0.985x / 0.991x / 0.991x and
-        0.990x / 0.988x without them (`logs/s61/ab.py`); its gate forced shut, 1.001x / 0.994x / 0.991x."""
+        on the main job's 32 requests (`logs/s61/ab.py`), before and after this rule: DFlash-Block8 +
+        D-cut 0.973x / 0.961x / 0.959x -> 0.995x / 0.984x, DFly-Block8 + D-cut 0.960x / 0.931x / 0.950x
+        -> 0.997x / 0.982x, MTP-TTT3 + D-cut 0.968x / 0.962x -> 0.992x / 1.006x, the router 0.944x /
+        0.946x -> 0.973x / 0.965x; the engine with its gate forced shut 1.001x / 0.994x / 0.991x."""
         gate = self.gate_for(arm)
         if gate.efficiency is None and batch is not None and context is not None and not self.first_step_pays(batch, context):
             return False
