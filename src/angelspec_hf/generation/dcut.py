@@ -493,10 +493,9 @@ class BatchDCutPolicy(_PacedPolicy):
         probability `FIRST_STEP_ACCEPTANCE` once the ones before them are, its drafting free; None
         where no draft token fits (`first_window` is 1)."""
         verify = self.verify(batch, context)
-        plain = verify(1)
-        widths = range(2, self.first_window(batch, context) + 1)
-        return max((sum(FIRST_STEP_ACCEPTANCE ** j for j in range(width)) * plain / verify(width)
-                    for width in widths), default=None)
+        survival = survival_of([FIRST_STEP_ACCEPTANCE] * (self.first_window(batch, context) - 1))
+        return max((rate_over_plain(expected_tokens(survival, width - 1), verify(width), 1, verify(1))
+                    for width in range(2, len(survival) + 2)), default=None)
 
     def first_step_pays(self, batch: int, context: int) -> bool:
         """Whether a drafter's first, unmeasured step may be taken at ``batch`` rows and ``context``:
