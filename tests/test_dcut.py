@@ -334,7 +334,7 @@ def test_a_drafters_first_batch_step_waits_until_a_miss_is_cheap():
 
 def test_a_drafters_first_batch_step_waits_where_a_good_drafter_would_only_break_even():
     from angelspec_hf.generation import BatchDCutPolicy
-    from angelspec_hf.generation.dcut import FIRST_STEP_ACCEPTANCE, FIRST_STEP_MIN_EFFICIENCY
+    from angelspec_hf.generation.dcut import CATCH_UP_SHARE, FIRST_STEP_ACCEPTANCE, FIRST_STEP_MIN_EFFICIENCY
 
     # Batch 16 like the reference CPU's: a window of 2 costs 1.4 plain steps (under the two of
     # `first_window`), each more token 0.35 more; batch 1 nearly flat.
@@ -359,6 +359,16 @@ def test_a_drafters_first_batch_step_waits_where_a_good_drafter_would_only_break
     flat = BatchDCutPolicy(cost(0.05), explore_every=1000)
     assert flat.first_step_efficiency(16, 10) >= FIRST_STEP_MIN_EFFICIENCY
     assert flat.should_draft(16, 10, True, arm="a")
+    # Unless its drafter must first read what it missed: the cheapest slot on the grid is 16 rows
+    # of 8 tokens (3.1 s / 128), each missed position read at CATCH_UP_SHARE of it.
+    assert flat.cost_model.slot_seconds(10) == pytest.approx(3.1 / 128)
+    reading = 16 * 300 * CATCH_UP_SHARE * 3.1 / 128
+    best = max((sum(FIRST_STEP_ACCEPTANCE ** j for j in range(w)) * 16 / (reading + 2.8 + 0.05 * (min(w, 8) - 2)))
+               / (16 / 2.0) for w in range(2, flat.first_window(16, 10) + 1))
+    assert flat.first_step_efficiency(16, 10, catch_up=16 * 300) == pytest.approx(best)
+    assert best < FIRST_STEP_MIN_EFFICIENCY <= flat.first_step_efficiency(16, 10, catch_up=16 * 5)
+    assert not flat.should_draft(16, 10, True, arm="a", catch_up=16 * 300)
+    assert flat.should_draft(16, 10, True, arm="a", catch_up=16 * 5)
 
 
 def test_batch_dcut_drafts_less_as_the_batch_grows():

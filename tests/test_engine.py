@@ -388,6 +388,52 @@ def test_engine_tells_the_batch_policy_whether_requests_wait_and_what_rows_have_
     assert set(policy.calibrators) == {"drafter"}
 
 
+def test_engine_tells_the_batch_policy_what_a_drafter_has_yet_to_read(setup):
+    """``catch_up``: decoded positions the drafter has not ingested for the rows drafting with it
+    (their prompts not counted). Held back for three steps, it has every token decoded since to read."""
+    target, drafters, prompts = setup
+    policy = cutting_policy()
+    asked = []
+    should_draft = policy.should_draft
+
+    def recording_should_draft(batch=None, context=None, queued=True, arm=None, catch_up=0):
+        asked.append((batch, catch_up))
+        return len(asked) > 3 and should_draft(batch, context, queued, arm=arm, catch_up=catch_up)
+
+    policy.should_draft = recording_should_draft
+    engine = SpeculativeEngine(target, drafters["dfly"], max_batch_size=3, policy=policy)
+    outputs = engine.generate(prompts[:3], max_new_tokens=12)
+    for prompt, output in zip(prompts[:3], outputs):
+        assert output == plain(target, prompt, max_new_tokens=12, eos_token_id=None)
+    # Each plain step commits one position a row (the prefill's token is the pending one at first).
+    assert asked[:4] == [(3, 0), (3, 3), (3, 6), (3, 9)], asked
+    # Once it drafts, it reads only what the previous step committed: one position a row and the accepted drafts.
+    assert policy.windows and all(catch_up <= batch * (1 + drafters["dfly"].max_draft_tokens) for batch, catch_up in asked[4:])
+    assert any(catch_up > batch for batch, catch_up in asked[4:]), "accepted drafts are read too"
+
+
+def test_a_routed_batch_counts_what_its_probes_drafters_have_yet_to_read(setup):
+    """Probing rows draft with every drafter once their verified one drafts, so its ``catch_up``
+    counts the decoded positions the probes' drafters missed too."""
+    target, drafters, prompts = setup
+    policy = cutting_policy()
+    asked = []
+    should_draft = policy.should_draft
+
+    def recording_should_draft(batch=None, context=None, queued=True, arm=None, catch_up=0):
+        asked.append((arm, batch, catch_up))
+        return len(asked) > 3 and should_draft(batch, context, queued, arm=arm, catch_up=catch_up)
+
+    policy.should_draft = recording_should_draft
+    engine = SpeculativeEngine(target, {"a": drafters["dfly"], "b": drafters["mtp"]}, max_batch_size=3, policy=policy)
+    outputs = engine.generate(prompts[:3], max_new_tokens=12)
+    for prompt, output in zip(prompts[:3], outputs):
+        assert output == plain(target, prompt, max_new_tokens=12, eos_token_id=None)
+    # Three probing rows verified with the first drafter: two drafters' reading, one position a row a step.
+    assert asked[:3] == [("a", 3, 0), ("a", 3, 6), ("a", 3, 12)], asked
+    assert policy.windows, "then they draft"
+
+
 def test_batch_dcut_stops_drafting_that_never_pays(setup, monkeypatch):
     from angelspec_hf.generation import BatchDCutPolicy, CostModel, dcut
 

@@ -125,6 +125,14 @@ class CostModel:
         seconds = at[0] * (1 - tb) + at[1] * tb
         return seconds * batch / largest if batch > largest else seconds
 
+    def slot_seconds(self, context: int) -> float:
+        """The least one verified slot (a row's new token) costs at ``context`` anywhere on the
+        profiled grid: a forward's seconds over its rows times new tokens, where that is least (the
+        grid's compute-bound end). What a drafter's reading of missed positions is priced against
+        (`BatchDCutPolicy.first_step_efficiency`)."""
+        return min(self.verify_seconds(tokens, context, batch) / (tokens * batch)
+                   for tokens in self.tokens for batch in self.batch_sizes)
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

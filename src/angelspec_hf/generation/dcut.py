@@ -381,6 +381,12 @@ FIRST_WINDOW_LIMIT = 64
 # per second in such a window, its drafting not counted (`BatchDCutPolicy.first_step_efficiency`).
 FIRST_STEP_ACCEPTANCE = 0.7
 FIRST_STEP_MIN_EFFICIENCY = 1.35
+# ... its window's time counting the reading of the decoded positions its rows' drafter missed while
+# it did not draft, each at this share of the target's cheapest slot (`CostModel.slot_seconds`). Measured on the reference target (Intel Xeon with AMX, 2
+# threads, float32 profile: 2.64 ms a slot at context 416): 12 rows' first calls reading 2223
+# positions took 72 ms for DFlash-Block8, 61 ms for DFly-Block8 and 147 ms for MTP-TTT3 (1.2%, 1.0%
+# and 2.5%; `logs/s62/router_c16.py`).
+CATCH_UP_SHARE = 0.02
 
 
 class BatchDCutPolicy(_PacedPolicy):
@@ -487,28 +493,32 @@ class BatchDCutPolicy(_PacedPolicy):
             width += 1
         return width
 
-    def first_step_efficiency(self, batch: int, context: int) -> float | None:
+    def first_step_efficiency(self, batch: int, context: int, catch_up: int = 0) -> float | None:
         """Tokens per second over plain decoding's of the best window up to `first_window` at
         ``batch`` rows and ``context``, for a drafter whose positions are each accepted with
-        probability `FIRST_STEP_ACCEPTANCE` once the ones before them are, its drafting free; None
-        where no draft token fits (`first_window` is 1)."""
+        probability `FIRST_STEP_ACCEPTANCE` once the ones before them are, its drafting free but
+        for its reading of ``catch_up`` decoded positions it missed (`CATCH_UP_SHARE`); None where no draft
+        token fits (`first_window` is 1)."""
         verify = self.verify(batch, context)
+        reading = catch_up * CATCH_UP_SHARE * self.cost_model.slot_seconds(context)
         survival = survival_of([FIRST_STEP_ACCEPTANCE] * (self.first_window(batch, context) - 1))
-        return max((rate_over_plain(expected_tokens(survival, width - 1), verify(width), 1, verify(1))
-                    for width in range(2, len(survival) + 2)), default=None)
+        return max((rate_over_plain(batch * expected_tokens(survival, width - 1), reading + verify(width), batch,
+                                    verify(1)) for width in range(2, len(survival) + 2)), default=None)
 
-    def first_step_pays(self, batch: int, context: int) -> bool:
-        """Whether a drafter's first, unmeasured step may be taken at ``batch`` rows and ``context``:
-        its `first_step_efficiency` is at least `FIRST_STEP_MIN_EFFICIENCY` (see `should_draft`)."""
-        efficiency = self.first_step_efficiency(batch, context)
+    def first_step_pays(self, batch: int, context: int, catch_up: int = 0) -> bool:
+        """Whether a drafter's first, unmeasured step may be taken at ``batch`` rows and ``context``,
+        its rows' drafter having ``catch_up`` decoded positions to read first: its `first_step_efficiency`
+        is at least `FIRST_STEP_MIN_EFFICIENCY` (see `should_draft`)."""
+        efficiency = self.first_step_efficiency(batch, context, catch_up)
         return efficiency is not None and efficiency >= FIRST_STEP_MIN_EFFICIENCY
 
     def should_draft(self, batch: int | None = None, context: int | None = None, queued: bool = True,
-                     arm: str | None = None) -> bool:
+                     arm: str | None = None, catch_up: int = 0) -> bool:
         """Whether ``arm``'s rows draft this step: while its drafting pays; else when
         `predicted_efficiency` says the batch or context has changed enough that it would pay now;
         else on the timed retries of `DraftGate`. The engine passes the step's active rows, context
-        and queue state, and asks once per drafter.
+        and queue state, and asks once per drafter; ``catch_up``: the decoded positions that drafter
+        has yet to read for its rows (priced into a first step only).
 
         A drafter's first step, taken on raw confidences, waits for a batch and context at which a
         miss is cheap: where verifying one draft token per row costs at most `FIRST_STEP_COST` plain
@@ -533,9 +543,22 @@ class BatchDCutPolicy(_PacedPolicy):
         on the main job's 32 requests (`logs/s61/ab.py`), before and after this rule: DFlash-Block8 +
         D-cut 0.973x / 0.961x / 0.959x -> 0.995x / 0.984x, DFly-Block8 + D-cut 0.960x / 0.931x / 0.950x
         -> 0.997x / 0.982x, MTP-TTT3 + D-cut 0.968x / 0.962x -> 0.992x / 1.006x, the router 0.944x /
-        0.946x -> 0.973x / 0.965x; the engine with its gate forced shut 1.001x / 0.994x / 0.991x."""
+        0.946x -> 0.973x / 0.965x; the engine with its gate forced shut 1.001x / 0.994x / 0.991x.
+
+        The first step's price also counts the drafter's reading of the decoded positions it missed
+        while it did not draft (``catch_up``, `CATCH_UP_SHARE`; the prompts' reading is what the
+        margin above is for, since every request pays it whenever drafting starts). Why: deferred at
+        the full batch, the first step came once the queue had emptied and the batch had shrunk to
+        12 rows, whose drafter then read about 100 decoded positions a row besides the prompts
+        before drafting, where a good drafter without them was priced at 1.37x (reference target,
+        concurrency 16: the router's first step read 2223 positions with each of its three drafters,
+        649 ms against a plain step's 129, and D-cut then verified nothing; `logs/s62/router_c16.py`).
+        The engine counts the drafters of the probes beside the row's drafter too; paired with plain
+        batched decoding (main job's 32 requests, `logs/s62/ab.py`, four reps) the router then ran at
+        0.983x-0.986x with no drafting step, against 0.968x-0.972x with 5-6 steps before."""
         gate = self.gate_for(arm)
-        if gate.efficiency is None and batch is not None and context is not None and not self.first_step_pays(batch, context):
+        if (gate.efficiency is None and batch is not None and context is not None
+                and not self.first_step_pays(batch, context, catch_up)):
             return False
         # A step under the other objective (the queue filled or emptied) is not repriced: timed retries.
         if not gate.paying and batch is not None and context is not None and self.reopens(arm, batch, context, queued):

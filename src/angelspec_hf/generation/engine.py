@@ -288,7 +288,8 @@ class SpeculativeEngine:
     With ``policy=BatchDCutPolicy(load_or_profile(target, name))`` the verify window of every
     step is chosen across the batch and each drafter's rows stop drafting when it does not pay (a
     policy of your own needs ``should_draft(batch, context, queued, arm)``, asked once per drafter
-    a step, ``window(confidences, batch, context, queued, remaining, arms)`` and ``observe(outcomes,
+    a step (with ``catch_up``, the decoded positions that drafter has yet to read for its rows,
+    where it takes that keyword), ``window(confidences, batch, context, queued, remaining, arms)`` and ``observe(outcomes,
     batch, width, context, draft_seconds, queued, arms)``; ``queued`` says whether requests wait for
     a slot, ``remaining`` lists the active rows' tokens still to generate, the drafting rows' first,
     in the order of ``confidences``, ``arms`` names the drafter of each drafting row, in the same
@@ -358,6 +359,9 @@ class SpeculativeEngine:
         is_open = getattr(policy, "is_open", None)
         self._policy_reprices = callable(is_open) and {"batch", "context", "queued"} <= set(
             inspect.signature(is_open).parameters)
+        should_draft = getattr(policy, "should_draft", None)
+        self._policy_prices_catch_up = (callable(should_draft)
+                                        and "catch_up" in inspect.signature(should_draft).parameters)
         text = target.config.get_text_config()
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.final_state_index = text.num_hidden_layers  # hidden_states[L]: the final normed state
@@ -1169,6 +1173,30 @@ class SpeculativeEngine:
             return arms
         return [arm for arm in arms if arm == NO_DRAFTER or self._arm_open(arm)]
 
+    def _policy_drafts(self, rows: list[_Row], active: list[bool], arm: str) -> bool:
+        """Whether the policy lets ``arm``'s rows draft this step (`_conditions`), told what its
+        drafter has yet to read for them where the policy takes ``catch_up``."""
+        conditions = self._conditions["batch"], self._conditions["context"], self._conditions["queued"]
+        if self._policy_prices_catch_up:
+            return self.policy.should_draft(*conditions, arm=arm, catch_up=self._catch_up(rows, active, arm))
+        return self.policy.should_draft(*conditions, arm=arm)
+
+    def _catch_up(self, rows: list[_Row], active: list[bool], arm: str) -> int:
+        """Decoded positions that drafting ``arm``'s rows this step has its drafter, and the drafters
+        of the probes beside it (`_shadow_arms`), read first: those each has not read. Prompts are
+        left out: reading a prompt is what drafting a request costs at all, whenever it starts
+        (`BatchDCutPolicy.should_draft`).
+
+        Why the probes' drafters too: they read only when the row's drafter drafts, and a routed
+        batch's first step at concurrency 16 read with all three (reference target: 8 rows, 1548
+        positions each, 507 ms against a plain step's 106; `logs/s62/router_c16.py`)."""
+        missed = 0
+        for row, is_active in zip(rows, active):
+            if is_active and row.arm == arm:
+                for reader in {arm, *self._shadow_arms(row)} & set(row.generators):
+                    missed += len(row.tokens) - 1 - max(row.generators[reader].committed, row.prompt_length)
+        return missed
+
     def _draft(self, rows: list[_Row], active: list[bool], batch: int) -> list[list[int]]:
         """Every active row's draft, and the shadow drafts of probing rows: each drafter ingests the
         new states of all its rows, then drafts for all of them, in batched calls (`observe_many`,
@@ -1232,7 +1260,7 @@ class SpeculativeEngine:
         # The policy gates each drafter (arm) on its own: rows whose arm it keeps out decode plainly
         # this round, and their drafter catches up on the states it missed when it drafts again.
         arms = {row.arm for row, a in zip(rows, active) if a and (row.generator is not None or self._shadow_arms(row))}
-        open_arms = {arm for arm in arms if policy is None or policy.should_draft(batch, context, queued, arm=arm)}
+        open_arms = {arm for arm in arms if policy is None or self._policy_drafts(rows, active, arm)}
         closed_arms = arms - open_arms
         drafting_rows = [a and row.arm in open_arms for row, a in zip(rows, active)]
         drafting = any(drafting_rows)
