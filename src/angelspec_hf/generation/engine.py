@@ -288,9 +288,10 @@ class SpeculativeEngine:
     With ``policy=BatchDCutPolicy(load_or_profile(target, name))`` the verify window of every
     step is chosen across the batch and each drafter's rows stop drafting when it does not pay (a
     policy of your own needs ``should_draft(batch, context, queued, arm)``, asked once per drafter
-    a step (with ``catch_up``, the decoded positions that drafter has yet to read for its rows,
-    where it takes that keyword), ``window(confidences, batch, context, queued, remaining, arms)`` and ``observe(outcomes,
-    batch, width, context, draft_seconds, queued, arms)``; ``queued`` says whether requests wait for
+    a step (with ``catch_up`` where it takes that keyword: the decoded positions that drafter, and
+    the drafters of probes beside it, have yet to read for its rows, `_catch_up`), ``window(confidences,
+    batch, context, queued, remaining, arms)`` and ``observe(outcomes, batch, width, context,
+    draft_seconds, queued, arms)``; ``queued`` says whether requests wait for
     a slot, ``remaining`` lists the active rows' tokens still to generate, the drafting rows' first,
     in the order of ``confidences``, ``arms`` names the drafter of each drafting row, in the same
     order, and ``draft_seconds`` maps each drafter that drafted to its time; optionally
