@@ -201,6 +201,16 @@ def test_cost_model_batch_axis_interpolates_and_extrapolates():
         CostModel(target="t", hardware="t", tokens=[1, 4], contexts=[0], batch_sizes=[1, 4], seconds=[[[1.0], [2.0]]])
 
 
+def test_slot_seconds_is_the_cheapest_slot_verify_seconds_gives_anywhere_on_the_grid():
+    # Four rows of four tokens are the cheapest slot at short contexts, one row of four at long ones.
+    model = CostModel(target="t", hardware="t", tokens=[1, 4], contexts=[0, 100, 200], batch_sizes=[1, 4],
+                      seconds=[[[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], [[2.0, 2.0, 2.0], [4.0, 6.0, 12.0]]])
+    for context in (0, 50, 100, 150, 200, 300):
+        cheapest = min(model.verify_seconds(t, context, b) / (t * b) for t in (1, 4) for b in (1, 4))
+        assert model.slot_seconds(context) == pytest.approx(cheapest, rel=1e-12), context
+    assert model.slot_seconds(50) == pytest.approx(5.0 / 16) and model.slot_seconds(150) == pytest.approx(0.5)
+
+
 def brute_force_window(survivals, verify, combine=sum):
     """Every combination of per-row draft lengths; a padded forward costs its widest window."""
     best, best_rate = None, -1.0

@@ -382,10 +382,10 @@ FIRST_WINDOW_LIMIT = 64
 FIRST_STEP_ACCEPTANCE = 0.7
 FIRST_STEP_MIN_EFFICIENCY = 1.35
 # ... its window's time counting the reading of the decoded positions its rows' drafter missed while
-# it did not draft, each at this share of the target's cheapest slot (`CostModel.slot_seconds`). Measured on the reference target (Intel Xeon with AMX, 2
-# threads, float32 profile: 2.64 ms a slot at context 416): 12 rows' first calls reading 2223
-# positions took 72 ms for DFlash-Block8, 61 ms for DFly-Block8 and 147 ms for MTP-TTT3 (1.2%, 1.0%
-# and 2.5%; `logs/s62/router_c16.py`).
+# it did not draft, each at this share of the target's cheapest slot (`CostModel.slot_seconds`).
+# Measured on the reference target (Intel Xeon with AMX, 2 threads, float32 profile: 2.64 ms a slot at
+# context 416): 12 rows' first calls reading 2223 positions took 72 ms for DFlash-Block8, 61 ms for
+# DFly-Block8 and 147 ms for MTP-TTT3 (1.2%, 1.0% and 2.5%; `logs/s62/router_c16.py`).
 CATCH_UP_SHARE = 0.02
 
 
@@ -500,7 +500,7 @@ class BatchDCutPolicy(_PacedPolicy):
         for its reading of ``catch_up`` decoded positions it missed (`CATCH_UP_SHARE`); None where no draft
         token fits (`first_window` is 1)."""
         verify = self.verify(batch, context)
-        reading = catch_up * CATCH_UP_SHARE * self.cost_model.slot_seconds(context)
+        reading = catch_up * CATCH_UP_SHARE * self.cost_model.slot_seconds(context) if catch_up else 0.0
         survival = survival_of([FIRST_STEP_ACCEPTANCE] * (self.first_window(batch, context) - 1))
         return max((rate_over_plain(batch * expected_tokens(survival, width - 1), reading + verify(width), batch,
                                     verify(1)) for width in range(2, len(survival) + 2)), default=None)
