@@ -258,6 +258,51 @@ def test_draft_policy_sees_the_chain_rejected(targets, monkeypatch):
     assert policy.widths == [drafted + 1 + (2 if drafted else 0) for drafted in stats.drafted]
 
 
+def test_a_policy_that_weighs_alternatives_is_told_them(targets, monkeypatch):
+    """A policy declaring ``weighs_alternatives`` gets the alternatives' draft probabilities and the
+    forward's width limit with each decision, and after the forward the ones verified and which one
+    the target took (here always the second, `oracle_rounds`)."""
+    target, drafter = targets.target("llama"), targets.fitted("llama", "mtp")
+    prompt = targets.sequences("llama")[5:6, :PROMPT_LENGTH]
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    oracle_rounds(monkeypatch, plain, target.config.vocab_size)
+
+    class Weighing:
+        weighs_alternatives = True
+
+        def __init__(self):
+            self.asked, self.observed = [], []
+
+        def should_draft(self):
+            return True
+
+        def keep_drafting(self, confidences, context, **alternatives):
+            self.asked.append(("keep", alternatives))
+            return True
+
+        def choose(self, confidences, context, **alternatives):
+            self.asked.append(("choose", alternatives))
+            return len(confidences)
+
+        def observe(self, confidences, matches, seconds, context, **alternatives):
+            self.observed.append((matches, alternatives))
+
+    policy = Weighing()
+    drafter.draft_policy = policy
+    try:
+        speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    finally:
+        del drafter.draft_policy
+    assert torch.equal(plain, speculative)
+    assert policy.asked and all(set(kw) == {"alternatives", "alternatives_width"} for _, kw in policy.asked)
+    assert all(len(kw["alternatives"]) == 2 and kw["alternatives_width"] == 64 and 0 <= min(kw["alternatives"])
+               and sum(kw["alternatives"]) <= 1 for _, kw in policy.asked)
+    drafting_rounds = sum(drafted > 0 for drafted in drafter.last_speculation_stats.drafted)
+    assert len(policy.observed) == drafting_rounds >= 3
+    assert all(matches == 0 and len(kw["alternatives"]) == 2 and kw["alternative_hit"] == 1
+               for matches, kw in policy.observed)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_alternatives_stay_within_the_verify_width(targets, kind):
     target = sharp_target("llama")
@@ -352,21 +397,25 @@ def test_alternatives_are_the_first_positions_runners_up(reduced):
 
     from angelspec_hf.modeling_angelspec_common import BatchedDraft
 
-    def generator(alternatives: int):
+    def generator(alternatives: int, weighs: bool = False):
         return SimpleNamespace(drafter=SimpleNamespace(config=SimpleNamespace(vocab_size=50)), logits_processor=None,
                                wants_draft_logits=False, policy=None, do_sample=False, alternatives=alternatives,
-                               drafted_alternatives=None, keep_drafting=lambda context: True)
+                               drafted_alternatives=None, keep_drafting=lambda context: True,
+                               policy_weighs_alternatives=weighs, alternative_confidences=[])
 
-    rows = [generator(2), generator(0)]
+    rows = [generator(2), generator(0), generator(2, weighs=True)]
     token_ids = torch.arange(10, 20) if reduced else None
     columns = 10 if reduced else 50
-    logits = torch.full((2, columns), -5.0)
+    logits = torch.full((3, columns), -5.0)
     logits[:, 3], logits[:, 7], logits[:, 1], logits[:, 4] = 4.0, 3.0, 2.0, 1.0
-    draft = BatchedDraft(rows, [torch.zeros(1, 4, dtype=torch.long)] * 2, [3, 3], token_ids)
+    draft = BatchedDraft(rows, [torch.zeros(1, 4, dtype=torch.long)] * 3, [3, 3, 3], token_ids)
     chosen = draft.choose(logits, 0)
     offset = 10 if reduced else 0
-    assert chosen[:, 0].tolist() == [3 + offset] * 2
+    assert chosen[:, 0].tolist() == [3 + offset] * 3
     assert rows[0].drafted_alternatives.tolist() == [7 + offset, 1 + offset] and rows[1].drafted_alternatives is None
+    # Their draft probabilities only for a generator whose policy weighs them.
+    assert rows[0].alternative_confidences == [] and rows[1].alternative_confidences == []
+    assert rows[2].alternative_confidences == pytest.approx(logits[2].softmax(-1)[[7, 1]].tolist())
     rows[0].drafted_alternatives = None
     draft.choose(logits, 1)  # later positions draft no alternatives
     assert rows[0].drafted_alternatives is None

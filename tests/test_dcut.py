@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from angelspec_hf.generation import CostModel, DCutPolicy, FixedLengthPolicy, profile_target
-from angelspec_hf.generation.dcut import Calibrator, best_cut, best_window, step_progress, worth_extending
+from angelspec_hf.generation.dcut import (
+    Calibrator,
+    best_cut,
+    best_cut_with_alternatives,
+    best_window,
+    step_progress,
+    worth_extending,
+)
 from conftest import PROMPT_LENGTH
 
 
@@ -639,6 +646,67 @@ def test_fixed_length_policy_keeps_everything(targets):
         del drafter.draft_policy
     target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert drafter.last_speculation_stats.as_dict() == with_policy
+
+
+def brute_force_with_alternatives(confidences, gains, max_width, verify, sunk=0.0):
+    """The cut by enumeration: keeping k >= 1 drafts verifies as many alternatives as fit
+    ``max_width`` tokens beside them, each adding its gain; keeping none verifies none."""
+    def rate(k):
+        count = 0 if k == 0 else max(0, min(len(gains), max_width - (k + 1)))
+        expected = 1.0 + sum(torch.tensor(confidences[:j]).prod().item() for j in range(1, k + 1)) + sum(gains[:count])
+        return expected / (sunk + verify(k + 1 + count))
+    return max(range(len(confidences) + 1), key=rate)
+
+
+@pytest.mark.parametrize("max_width", [0, 4, 6, 64])
+def test_best_cut_with_alternatives_is_the_brute_force_optimum(max_width):
+    model = linear_cost(0.1, 0.02)
+    verify = lambda n: model.verify_seconds(n, 100)  # noqa: E731
+    generator = torch.Generator().manual_seed(max_width)
+    for _ in range(100):
+        confidences = torch.rand(5, generator=generator).tolist()
+        gains = (torch.rand(2, generator=generator) * 0.3).tolist()
+        for sunk in (0.0, 0.05):
+            got = best_cut_with_alternatives(confidences, gains, max_width, verify, sunk)
+            assert got == brute_force_with_alternatives(confidences, gains, max_width, verify, sunk)
+        # No alternatives, or no room for any: the chain's own cut.
+        assert best_cut_with_alternatives(confidences, [], max_width, verify) == best_cut(confidences, verify)
+    assert best_cut_with_alternatives([0.9, 0.5], [0.3], 2, verify) == best_cut([0.9, 0.5], verify)
+
+
+def test_alternatives_keep_a_draft_whose_first_token_is_unsure():
+    """A chain whose first token is rarely right is not worth a wider forward on its own, but the
+    runner-ups verified beside it are: 1 token for 1 s, against (1 + 0.1 + 0.05 + 0.25 + 0.15) tokens
+    for 1.25 s with two alternatives (the reference CPU's forwards of 2-5 tokens cost about that)."""
+    cost = {1: 1.0, 2: 1.25, 3: 1.25, 4: 1.25, 5: 1.25, 6: 1.3}.get
+    assert best_cut([0.1, 0.5], cost) == 0  # 1.15 / 1.25 < 1
+    assert best_cut_with_alternatives([0.1, 0.5], [0.25, 0.15], 6, cost) == 2  # 1.55 / 1.25 against 1.5 / 1.25
+    assert best_cut_with_alternatives([0.1, 0.5], [0.25, 0.15], 4, cost) == 1  # one fits beside 2 drafts: 1.4 / 1.25
+    assert worth_extending([0.1], cost, 3, alternative_gains=[0.25, 0.15], alternatives_width=6)
+
+
+def test_dcut_calibrates_the_alternatives_and_prices_their_width():
+    cost = CostModel(target="t", hardware="t", tokens=[1, 2, 8], contexts=[0, 100],
+                     seconds=[[1.0, 1.0], [1.25, 1.25], [1.25, 1.25]])
+    policy = DCutPolicy(cost, explore_every=1000)
+    assert policy.weighs_alternatives
+    assert policy.choose([0.1, 0.5], context=10) == 0
+    # Runner-ups drafted at 0.3 that the target took half the time: calibrated near 0.5.
+    for round_ in range(40):
+        policy.observe([0.1], accepted=0, draft_seconds=0.0, context=10,
+                       alternatives=[0.3, 0.2], alternative_hit=0 if round_ % 2 else None)
+    assert policy.alternative_calibrator(0.3) == pytest.approx((20 + 4 * 0.3) / (40 + 4))
+    assert policy.alternative_calibrator(0.2) == pytest.approx(4 * 0.2 / (40 + 4))
+    keep = policy.choose([0.1, 0.5], context=10, alternatives=[0.3, 0.2], alternatives_width=6)
+    assert keep == 2
+    gain = 1 + policy.calibrator(0.1) + policy.calibrator(0.1) * policy.calibrator(0.5)
+    gain += policy.alternative_calibrator(0.3) + policy.alternative_calibrator(0.2)
+    assert policy.expected_gain == pytest.approx(gain)
+    # The gate prices the forward the round really made: the chain, its pending token and both alternatives.
+    efficiency = policy.gate.efficiency
+    policy.observe([0.1, 0.5], accepted=0, draft_seconds=0.0, context=10, alternatives=[0.3, 0.2], alternative_hit=0)
+    ratio = (gain / cost.verify_seconds(5, 10)) / (1 / cost.verify_seconds(1, 10))
+    assert policy.gate.efficiency == pytest.approx(0.95 * efficiency + 0.05 * ratio)
 
 
 def test_worth_extending_matches_the_brute_force_optimum():

@@ -604,6 +604,8 @@ class BatchedDraft:
             ranked = logits[row].topk(generator.alternatives + 1).indices
             ranked = ranked[ranked != chosen[row, 0]][: generator.alternatives]
             generator.drafted_alternatives = self.token_ids[ranked] if self.in_draft_columns else ranked
+            if generator.policy_weighs_alternatives:
+                generator.alternative_confidences = logits[row].softmax(dim=-1)[ranked].tolist()
 
     @property
     def done(self) -> bool:
@@ -694,6 +696,9 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.last_candidates: torch.Tensor | None = None  # the ids the loop verifies this round
         self.last_alternatives_verified = 0
         self.alternative_hit = False
+        self.alternative_hit_index: int | None = None  # which alternative the target took, if one did
+        # Their draft probabilities, for a policy that weighs them (`policy_weighs_alternatives`).
+        self.alternative_confidences: list[float] = []
         self.stats = SpeculationStats()
         drafter.last_speculation_stats = self.stats
         warn_if_drafting_emulated(drafter, target)
@@ -814,6 +819,8 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         self.confidences = []
         self.drafted_alternatives = None
         self.alternative_hit = False
+        self.alternative_hit_index = None
+        self.alternative_confidences = []
         budget = min(self.max_draft_tokens, self.max_length - input_ids.shape[1] - 1)
         # An optional draft policy (D-cut, duck-typed so remote code needs nothing of ours) may
         # skip drafting or keep only a prefix; the choice uses draft-side information only, so
@@ -828,15 +835,16 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         greedy verification does not read them)."""
         self.last_draft_seconds = seconds
         if self.policy is not None:
-            keep = self.policy.choose(self.confidences, input_ids.shape[1])
+            keep = self.policy.choose(self.confidences, input_ids.shape[1], **self._alternatives_for_policy())
             self.last_confidences = self.confidences[:keep]
             tokens = tokens[:, :keep]
             logits = logits[:, :keep] if logits is not None else None
             if keep == 0:
                 return input_ids, None
         self.last_draft_length = tokens.shape[1]
-        room = self.alternatives_width - (tokens.shape[1] + 1)
-        self.pending_alternatives = self.drafted_alternatives[:room] if self.drafted_alternatives is not None and room > 0 else None
+        if self.drafted_alternatives is not None:
+            count = alternatives_verified(tokens.shape[1], len(self.drafted_alternatives), self.alternatives_width)
+            self.pending_alternatives = self.drafted_alternatives[:count] if count else None
         candidates = torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1)
         return candidates, logits.to(input_ids.device) if logits is not None else None
 
@@ -857,7 +865,24 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
             # The policy calibrates the chain's confidences: an accepted alternative means its first
             # token was rejected.
             chain_matches = 0 if self.alternative_hit else int(num_matches)
-            self.policy.observe(self.last_confidences, chain_matches, self.last_draft_seconds, self.committed + 1)
+            extra = {}
+            if self.policy_weighs_alternatives and self.last_alternatives_verified:
+                extra = {"alternatives": self.alternative_confidences[: self.last_alternatives_verified],
+                         "alternative_hit": self.alternative_hit_index}
+            self.policy.observe(self.last_confidences, chain_matches, self.last_draft_seconds, self.committed + 1, **extra)
+
+    @property
+    def policy_weighs_alternatives(self) -> bool:
+        """Whether this round's draft policy prices first-token alternatives (a policy declares it
+        with ``weighs_alternatives``; others are asked as before) and ``generate`` verifies any."""
+        return self.alternatives > 0 and bool(getattr(self.policy, "weighs_alternatives", False))
+
+    def _alternatives_for_policy(self) -> dict[str, Any]:
+        """The keywords that tell a policy which alternatives a chain would be verified with: their
+        draft probabilities and the widest forward they may make (none where it does not weigh them)."""
+        if not self.policy_weighs_alternatives or not self.alternative_confidences:
+            return {}
+        return {"alternatives": self.alternative_confidences, "alternatives_width": self.alternatives_width}
 
     def _extend_key_padding(self, model_kwargs: dict[str, Any] | None, num_new: int) -> None:
         mask = (model_kwargs or {}).get("attention_mask")
@@ -920,7 +945,7 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
         """Sequential drafters ask after each token whether the draft policy wants another one."""
         if self.policy is None or not hasattr(self.policy, "keep_drafting"):
             return True
-        return self.policy.keep_drafting(self.confidences, context)
+        return self.policy.keep_drafting(self.confidences, context, **self._alternatives_for_policy())
 
     def ingest(self, input_ids: torch.LongTensor, features: list[torch.Tensor]) -> None:
         raise NotImplementedError
@@ -930,6 +955,15 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
 
 
 # --------------------------------------------------------------------------- first-token alternatives
+
+
+def alternatives_verified(kept: int, available: int, max_width: int) -> int:
+    """How many first-token alternatives a verify forward checks beside a chain of ``kept`` drafts:
+    as many of the ``available`` ones as fit a forward of at most ``max_width`` tokens (the pending
+    token, the chain, the alternatives), and none without a chain, whose first token they stand in for."""
+    if kept < 1:
+        return 0
+    return max(0, min(available, max_width - (kept + 1)))
 
 # Attention implementations known to apply a custom 4D mask as given (our exact kernel included).
 _TREE_MASK_ATTENTION = ("sdpa", "eager", "angelspec_exact")
@@ -1101,6 +1135,7 @@ class AlternativesVerification:
             matches = (alternatives.to(picked.device) == picked).nonzero()
             hit = int(matches[0, 0]) if matches.numel() else None
         self.generator.alternative_hit = hit is not None
+        self.generator.alternative_hit_index = hit
         rows = torch.arange(width, device=logits.device)
         if hit is not None:
             rows[1] = width + hit

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..modeling_angelspec_common import alternatives_verified
 from .cost_model import CostModel
 
 
@@ -80,6 +81,35 @@ def best_cut(confidences: list[float], verify_seconds, sunk_seconds: float = 0.0
     but it is part of the round's time, so it still weighs in the rate (see `best_window`).
     """
     return best_window([survival_of(confidences)], verify_seconds, sunk_seconds=sunk_seconds) - 1
+
+
+def alternatives_gain(kept: int, gains: list[float], max_width: int) -> tuple[float, int]:
+    """What first-token alternatives verified beside a chain of ``kept`` drafts add to a round: the
+    expected tokens (``gains``: each alternative's calibrated chance of being the target's token;
+    a round that takes one gains it besides the target's own token) and how many join the forward."""
+    count = alternatives_verified(kept, len(gains), max_width)
+    return sum(gains[:count]), count
+
+
+def best_cut_with_alternatives(confidences: list[float], alternative_gains: list[float], max_width: int,
+                               verify_seconds, sunk_seconds: float = 0.0) -> int:
+    """`best_cut` for a round whose verify forward also checks first-token alternatives (batch-1
+    greedy ``generate``): keeping k >= 1 drafts verifies ``alternatives_verified(k, ...)`` of them
+    too, which add their `alternatives_gain` to the round's expected tokens and their width to its
+    forward; keeping none verifies none.
+
+    Why: the alternatives are worth most where the chain's first token is least sure, which is
+    where `best_cut` alone keeps nothing. On the reference target (AMD EPYC, one thread) MTP-TTT3 +
+    D-cut cut 92 of 893 rounds to no draft, 16 tokens fewer accepted than the fixed length over
+    the 16 benchmark prompts, where the two alternatives beside a chain rescue about 17% of rounds
+    (docs/dcut.md, "First-token alternatives")."""
+    survival = survival_of(confidences)
+
+    def rate(kept: int) -> float:
+        extra, count = alternatives_gain(kept, alternative_gains, max_width)
+        return (expected_tokens(survival, kept) + extra) / (sunk_seconds + verify_seconds(kept + 1 + count))
+
+    return max(range(len(survival) + 1), key=rate)
 
 
 def step_progress(survivals: list[list[float]], width: int, slowest_row: bool = False,
@@ -134,7 +164,8 @@ def best_window(survivals: list[list[float]], verify_seconds, slowest_row: bool 
 
 
 def worth_extending(survival: list[float], verify_seconds, max_positions: int,
-                    seconds_per_position: float = 0.0) -> bool:
+                    seconds_per_position: float = 0.0, alternative_gains: list[float] = (),
+                    alternatives_width: int = 0) -> bool:
     """Could drafting more positions (up to ``max_positions`` in all) beat the best rate of this prefix?
 
     Each further position survives at most as often as the last one (``s_{j+1} <= s_j``), so m more
@@ -142,14 +173,19 @@ def worth_extending(survival: list[float], verify_seconds, max_positions: int,
     because verification need not cost more for more tokens (a CPU's kernels for a few rows can be
     slower than for eight), so a position that does not pay alone may pay with the ones after it.
     A round's time is its drafting (``seconds_per_position`` for each drafted position, kept or
-    not) plus the verification of what it keeps.
+    not) plus the verification of what it keeps, and of the first-token alternatives verified
+    beside it (`alternatives_gain`; none by default).
     """
     k = len(survival)
     drafted = k * seconds_per_position
-    best = max(expected_tokens(survival, j) / (drafted + verify_seconds(j + 1)) for j in range(k + 1))
+
+    def value(kept: int, tokens: float, positions: int) -> float:
+        extra, count = alternatives_gain(kept, alternative_gains, alternatives_width)
+        return (tokens + extra) / (drafted + positions * seconds_per_position + verify_seconds(kept + 1 + count))
+
+    best = max(value(j, expected_tokens(survival, j), 0) for j in range(k + 1))
     last, reached = (survival[-1] if survival else 1.0), expected_tokens(survival, k)
-    return any((reached + m * last) / (drafted + m * seconds_per_position + verify_seconds(k + 1 + m)) > best
-               for m in range(1, max_positions - k + 1))
+    return any(value(k + m, reached + m * last, m) > best for m in range(1, max_positions - k + 1))
 
 
 class FixedLengthPolicy:
@@ -281,7 +317,16 @@ class _PacedPolicy:
 
 
 class DCutPolicy(_PacedPolicy):
-    """Cost-aware draft cutting for one drafter at batch 1 (see the module docstring)."""
+    """Cost-aware draft cutting for one drafter at batch 1 (see the module docstring).
+
+    Where greedy ``generate`` verifies first-token alternatives beside the chain, it passes their
+    draft probabilities (``alternatives``) and the widest forward they may make
+    (``alternatives_width``) to `keep_drafting` and `choose`, and to `observe` the ones verified and
+    which the target took (``alternative_hit``): their own `Calibrator` learns how often a runner-up
+    of a given draft probability is the target's token, and every cut is priced with them
+    (`best_cut_with_alternatives`)."""
+
+    weighs_alternatives = True  # tells the candidate generator to pass the alternatives' keywords
 
     def __init__(self, cost_model: CostModel, explore_every: int = 8, smoothing: float = 0.05, max_backoff: int = 1,
                  probe_budget: float | None = None, track_pace: bool = True):
@@ -299,6 +344,7 @@ class DCutPolicy(_PacedPolicy):
         self.position_seconds: float | None = None  # moving average of drafting time per drafted position (profile time)
         self.longest_draft: int | None = None  # the most positions a round has drafted (exploration rounds draft all)
         self.drafted = 0  # positions the round being verified drafted (what `choose` saw)
+        self.alternative_calibrator = Calibrator()  # a runner-up's draft probability -> how often the target takes it
 
     def verify(self, context: int):
         return lambda tokens: self.cost_model.verify_seconds(tokens, context)
@@ -306,27 +352,39 @@ class DCutPolicy(_PacedPolicy):
     def should_draft(self) -> bool:
         return self.gate.should_draft()
 
-    def keep_drafting(self, confidences: list[float], context: int) -> bool:
+    def keep_drafting(self, confidences: list[float], context: int, alternatives: list[float] | None = None,
+                      alternatives_width: int = 0) -> bool:
         """Asked after each drafted token, so that sequential drafters stop early (exploration rounds never do)."""
         if (self.decisions + 1) % self.explore_every == 0:
             return True
         most = self.longest_draft if self.longest_draft is not None else self.cost_model.tokens[-1] - 1
         return worth_extending(survival_of([self.calibrator(c) for c in confidences]), self.verify(context),
-                               max(most, len(confidences)), self.position_seconds or 0.0)
+                               max(most, len(confidences)), self.position_seconds or 0.0,
+                               self._alternative_gains(alternatives), alternatives_width)
 
-    def choose(self, confidences: list[float], context: int) -> int:
+    def choose(self, confidences: list[float], context: int, alternatives: list[float] | None = None,
+               alternatives_width: int = 0) -> int:
         self.decisions += 1
         self.drafted = len(confidences)
         self.longest_draft = max(self.longest_draft or 0, len(confidences))
         calibrated = [self.calibrator(c) for c in confidences]
+        gains = self._alternative_gains(alternatives)
+        sunk = (self.position_seconds or 0.0) * len(confidences)
         if self.decisions % self.explore_every == 0:
             keep = len(confidences)
+        elif gains:
+            keep = best_cut_with_alternatives(calibrated, gains, alternatives_width, self.verify(context), sunk)
         else:
-            keep = best_cut(calibrated, self.verify(context), (self.position_seconds or 0.0) * len(confidences))
-        self.expected_gain = expected_tokens(survival_of(calibrated), keep)
+            keep = best_cut(calibrated, self.verify(context), sunk)
+        self.expected_gain = expected_tokens(survival_of(calibrated), keep) + alternatives_gain(
+            keep, gains, alternatives_width)[0]
         return keep
 
-    def observe(self, confidences: list[float], accepted: int, draft_seconds: float, context: int) -> None:
+    def _alternative_gains(self, alternatives: list[float] | None) -> list[float]:
+        return [self.alternative_calibrator(confidence) for confidence in alternatives or ()]
+
+    def observe(self, confidences: list[float], accepted: int, draft_seconds: float, context: int,
+                alternatives: list[float] | None = None, alternative_hit: int | None = None) -> None:
         """Learn from a verified round: which kept positions were accepted, and what drafting cost.
 
         The gate weighs the round by what `choose` expected of it (calibrated survivals of the kept
@@ -334,16 +392,23 @@ class DCutPolicy(_PacedPolicy):
         accepts 0 or a few tokens, far noisier than its expectation, and the realised counts closed
         the gate on drafting that paid (measured on the reference target, DFly-Block8 on a math
         prompt: tau 1.38 where the fixed length had 1.91; with expected gains and the even start of
-        `DraftGate.record_rate` 1.88). A round `choose` did not see counts as accepted."""
+        `DraftGate.record_rate` 1.88). A round `choose` did not see counts as accepted.
+
+        ``alternatives``: the draft probabilities of the first-token alternatives the forward verified
+        beside the chain, and ``alternative_hit`` the one the target took (``accepted`` then counts
+        the chain's own matches: none); they calibrate the alternatives and widen the priced forward."""
         for position, confidence in enumerate(confidences[: accepted + 1]):
             self.calibrator.update(confidence, position < accepted)
+        for index, confidence in enumerate(alternatives or ()):
+            self.alternative_calibrator.update(confidence, index == alternative_hit)
         drafted, self.drafted = max(self.drafted, len(confidences), 1), 0
         draft_seconds = self.in_profile_time(draft_seconds)
         self.position_seconds = moving_average(self.position_seconds, draft_seconds / drafted, self.smoothing)
         verify = self.verify(context)
         gained, self.expected_gain = self.expected_gain, None
         gained = accepted + 1 if gained is None else gained
-        self.gate.record_rate(gained, draft_seconds + verify(len(confidences) + 1), 1, verify(1))
+        width = len(confidences) + 1 + len(alternatives or ())
+        self.gate.record_rate(gained, draft_seconds + verify(width), 1, verify(1))
 
 
 # About the last 10 forwards: a few seconds of decoding, shorter than the slow spells of a shared machine.
