@@ -219,6 +219,16 @@ def test_target_that_ignores_tree_masks_is_detected(targets, monkeypatch):
         handle.remove()
 
 
+def generate_with_policy(target, drafter, prompt, policy, max_new_tokens: int = 12) -> torch.Tensor:
+    """Greedy speculative output with ``policy`` as the drafter's draft policy for the call."""
+    drafter.draft_policy = policy
+    try:
+        return target.generate(prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
+                               eos_token_id=None)
+    finally:
+        del drafter.draft_policy
+
+
 def test_draft_policy_sees_the_chain_rejected(targets, monkeypatch):
     target, drafter = targets.target("llama"), targets.fitted("llama", "mtp")
     prompt = targets.sequences("llama")[5:6, :PROMPT_LENGTH]
@@ -245,12 +255,7 @@ def test_draft_policy_sees_the_chain_rejected(targets, monkeypatch):
             self.observed.append(matches)
 
     policy = Recording()
-    drafter.draft_policy = policy
-    try:
-        speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False, eos_token_id=None)
-    finally:
-        del drafter.draft_policy
-    assert torch.equal(plain, speculative)
+    assert torch.equal(plain, generate_with_policy(target, drafter, prompt, policy))
     stats = drafter.last_speculation_stats
     drafting_rounds = sum(drafted > 0 for drafted in stats.drafted)
     assert drafting_rounds >= 3 and stats.alternative_hits == drafting_rounds
@@ -288,12 +293,7 @@ def test_a_policy_that_weighs_alternatives_is_told_them(targets, monkeypatch):
             self.observed.append((matches, alternatives))
 
     policy = Weighing()
-    drafter.draft_policy = policy
-    try:
-        speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False, eos_token_id=None)
-    finally:
-        del drafter.draft_policy
-    assert torch.equal(plain, speculative)
+    assert torch.equal(plain, generate_with_policy(target, drafter, prompt, policy))
     assert policy.asked and all(set(kw) == {"alternatives", "alternatives_width"} for _, kw in policy.asked)
     assert all(len(kw["alternatives"]) == 2 and kw["alternatives_width"] == 64 and 0 <= min(kw["alternatives"])
                and sum(kw["alternatives"]) <= 1 for _, kw in policy.asked)
