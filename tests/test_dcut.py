@@ -12,7 +12,6 @@ from angelspec_hf.generation import CostModel, DCutPolicy, FixedLengthPolicy, pr
 from angelspec_hf.generation.dcut import (
     Calibrator,
     best_cut,
-    best_cut_with_alternatives,
     best_window,
     step_progress,
     worth_extending,
@@ -667,11 +666,11 @@ def test_best_cut_with_alternatives_is_the_brute_force_optimum(max_width):
         confidences = torch.rand(5, generator=generator).tolist()
         gains = (torch.rand(2, generator=generator) * 0.3).tolist()
         for sunk in (0.0, 0.05):
-            got = best_cut_with_alternatives(confidences, gains, max_width, verify, sunk)
+            got = best_cut(confidences, verify, sunk, gains, max_width)
             assert got == brute_force_with_alternatives(confidences, gains, max_width, verify, sunk)
         # No alternatives, or no room for any: the chain's own cut.
-        assert best_cut_with_alternatives(confidences, [], max_width, verify) == best_cut(confidences, verify)
-    assert best_cut_with_alternatives([0.9, 0.5], [0.3], 2, verify) == best_cut([0.9, 0.5], verify)
+        assert best_cut(confidences, verify, 0.0, [], max_width) == best_cut(confidences, verify)
+    assert best_cut([0.9, 0.5], verify, 0.0, [0.3], 2) == best_cut([0.9, 0.5], verify)
 
 
 def test_alternatives_keep_a_draft_whose_first_token_is_unsure():
@@ -680,8 +679,8 @@ def test_alternatives_keep_a_draft_whose_first_token_is_unsure():
     for 1.25 s with two alternatives (the reference CPU's forwards of 2-5 tokens cost about that)."""
     cost = {1: 1.0, 2: 1.25, 3: 1.25, 4: 1.25, 5: 1.25, 6: 1.3}.get
     assert best_cut([0.1, 0.5], cost) == 0  # 1.15 / 1.25 < 1
-    assert best_cut_with_alternatives([0.1, 0.5], [0.25, 0.15], 6, cost) == 2  # 1.55 / 1.25 against 1.5 / 1.25
-    assert best_cut_with_alternatives([0.1, 0.5], [0.25, 0.15], 4, cost) == 1  # one fits beside 2 drafts: 1.4 / 1.25
+    assert best_cut([0.1, 0.5], cost, 0.0, [0.25, 0.15], 6) == 2  # 1.55 / 1.25 against 1.5 / 1.25
+    assert best_cut([0.1, 0.5], cost, 0.0, [0.25, 0.15], 4) == 1  # one fits beside 2 drafts: 1.4 / 1.25
     assert worth_extending([0.1], cost, 3, alternative_gains=[0.25, 0.15], alternatives_width=6)
 
 

@@ -74,15 +74,6 @@ def survival_of(confidences: list[float]) -> list[float]:
     return survival
 
 
-def best_cut(confidences: list[float], verify_seconds, sunk_seconds: float = 0.0) -> int:
-    """The k in 0..len(confidences) maximising ``(1 + sum_{j<=k} s_j) / (sunk + verify(k + 1))``.
-
-    ``sunk_seconds`` is what the round has already spent drafting: it no longer depends on the cut,
-    but it is part of the round's time, so it still weighs in the rate (see `best_window`).
-    """
-    return best_window([survival_of(confidences)], verify_seconds, sunk_seconds=sunk_seconds) - 1
-
-
 def alternatives_gain(kept: int, gains: list[float], max_width: int) -> tuple[float, int]:
     """What first-token alternatives verified beside a chain of ``kept`` drafts add to a round: the
     expected tokens (``gains``: each alternative's calibrated chance of being the target's token;
@@ -91,25 +82,36 @@ def alternatives_gain(kept: int, gains: list[float], max_width: int) -> tuple[fl
     return sum(gains[:count]), count
 
 
-def best_cut_with_alternatives(confidences: list[float], alternative_gains: list[float], max_width: int,
-                               verify_seconds, sunk_seconds: float = 0.0) -> int:
-    """`best_cut` for a round whose verify forward also checks first-token alternatives (batch-1
-    greedy ``generate``): keeping k >= 1 drafts verifies ``alternatives_verified(k, ...)`` of them
-    too, which add their `alternatives_gain` to the round's expected tokens and their width to its
-    forward; keeping none verifies none.
+def round_rate(tokens: float, kept: int, seconds: float, verify_seconds, alternative_gains: list[float] = (),
+               alternatives_width: int = 0) -> float:
+    """Expected tokens per second of a batch-1 round that keeps ``kept`` drafts expected to make
+    ``tokens`` (`expected_tokens`) after ``seconds`` of drafting: its verify forward checks the
+    pending token, the kept drafts and the alternatives that fit beside them (`alternatives_gain`)."""
+    extra, count = alternatives_gain(kept, alternative_gains, alternatives_width)
+    return (tokens + extra) / (seconds + verify_seconds(kept + 1 + count))
 
-    Why: the alternatives are worth most where the chain's first token is least sure, which is
-    where `best_cut` alone keeps nothing. On the reference target (AMD EPYC, one thread) MTP-TTT3 +
-    D-cut cut 92 of 893 rounds to no draft, 16 tokens fewer accepted than the fixed length over
+
+def best_cut(confidences: list[float], verify_seconds, sunk_seconds: float = 0.0,
+             alternative_gains: list[float] = (), alternatives_width: int = 0) -> int:
+    """The k in 0..len(confidences) maximising ``(1 + sum_{j<=k} s_j) / (sunk + verify(k + 1))``
+    (`round_rate`; the smallest such k on ties).
+
+    ``sunk_seconds`` is what the round has already spent drafting: it no longer depends on the cut,
+    but it is part of the round's time, so it still weighs in the rate (see `best_window`).
+
+    Where the verify forward also checks first-token alternatives (batch-1 greedy ``generate``;
+    ``alternative_gains``, at most ``alternatives_width`` tokens in the forward), keeping k >= 1
+    drafts verifies as many of them as fit, which add their `alternatives_gain` to the expected
+    tokens and their width to the forward; keeping none verifies none. Why: the alternatives are
+    worth most where the chain's first token is least sure, which is where the chain alone keeps
+    nothing. On the reference target (AMD EPYC, one thread) MTP-TTT3 + D-cut cut 92 of 893 rounds
+    to no draft when it priced the chain alone, 16 tokens fewer accepted than the fixed length over
     the 16 benchmark prompts, where the two alternatives beside a chain rescue about 17% of rounds
-    (docs/dcut.md, "First-token alternatives")."""
+    (docs/dcut.md, "First-token alternatives").
+    """
     survival = survival_of(confidences)
-
-    def rate(kept: int) -> float:
-        extra, count = alternatives_gain(kept, alternative_gains, max_width)
-        return (expected_tokens(survival, kept) + extra) / (sunk_seconds + verify_seconds(kept + 1 + count))
-
-    return max(range(len(survival) + 1), key=rate)
+    return max(range(len(survival) + 1), key=lambda kept: round_rate(
+        expected_tokens(survival, kept), kept, sunk_seconds, verify_seconds, alternative_gains, alternatives_width))
 
 
 def step_progress(survivals: list[list[float]], width: int, slowest_row: bool = False,
@@ -178,14 +180,11 @@ def worth_extending(survival: list[float], verify_seconds, max_positions: int,
     """
     k = len(survival)
     drafted = k * seconds_per_position
-
-    def value(kept: int, tokens: float, positions: int) -> float:
-        extra, count = alternatives_gain(kept, alternative_gains, alternatives_width)
-        return (tokens + extra) / (drafted + positions * seconds_per_position + verify_seconds(kept + 1 + count))
-
-    best = max(value(j, expected_tokens(survival, j), 0) for j in range(k + 1))
+    alternatives = (alternative_gains, alternatives_width)
+    best = max(round_rate(expected_tokens(survival, j), j, drafted, verify_seconds, *alternatives) for j in range(k + 1))
     last, reached = (survival[-1] if survival else 1.0), expected_tokens(survival, k)
-    return any(value(k + m, reached + m * last, m) > best for m in range(1, max_positions - k + 1))
+    return any(round_rate(reached + m * last, k + m, drafted + m * seconds_per_position, verify_seconds, *alternatives) > best
+               for m in range(1, max_positions - k + 1))
 
 
 class FixedLengthPolicy:
@@ -324,7 +323,7 @@ class DCutPolicy(_PacedPolicy):
     (``alternatives_width``) to `keep_drafting` and `choose`, and to `observe` the ones verified and
     which the target took (``alternative_hit``): their own `Calibrator` learns how often a runner-up
     of a given draft probability is the target's token, and every cut is priced with them
-    (`best_cut_with_alternatives`)."""
+    (`best_cut`)."""
 
     weighs_alternatives = True  # tells the candidate generator to pass the alternatives' keywords
 
@@ -372,10 +371,8 @@ class DCutPolicy(_PacedPolicy):
         sunk = (self.position_seconds or 0.0) * len(confidences)
         if self.decisions % self.explore_every == 0:
             keep = len(confidences)
-        elif gains:
-            keep = best_cut_with_alternatives(calibrated, gains, alternatives_width, self.verify(context), sunk)
         else:
-            keep = best_cut(calibrated, self.verify(context), sunk)
+            keep = best_cut(calibrated, self.verify(context), sunk, gains, alternatives_width)
         self.expected_gain = expected_tokens(survival_of(calibrated), keep) + alternatives_gain(
             keep, gains, alternatives_width)[0]
         return keep
