@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModel
 from angelspec_hf import DFlyDrafter, DFlyDrafterConfig, MTPDrafter, MTPDrafterConfig, embedding_fingerprint
 from angelspec_hf.errors import DrafterConfigError
 from angelspec_hf.modeling_angelspec_common import FINGERPRINT_MIN_COSINE, fingerprint_similarity
-from conftest import DRAFTER_KINDS, PROMPT_LENGTH, build_drafter
+from conftest import DRAFTER_KINDS, PROMPT_LENGTH, build_drafter, tiny_target
 
 
 def test_from_target_derives_sizes_layers_and_fingerprint(targets):
@@ -205,6 +205,27 @@ def test_dfly_reduced_vocabulary_drafts_only_its_tokens(targets):
     assert drafter.config.draft_vocab_size is None and "draft_vocab" not in drafter.state_dict()
     with pytest.raises(DrafterConfigError, match="draft_token_ids"):
         drafter.set_draft_vocab([target.config.vocab_size])
+
+
+def test_dfly_reduced_head_is_gathered_again_only_when_its_sources_change():
+    """Every generator asks for the draft head; it is kept while the target's head weight, the draft
+    vocabulary and the dtype stay, and gathered afresh (with the new rows) when any changes."""
+    target = tiny_target("llama", seed=5)  # its own: the head is changed in place below
+    drafter = DFlyDrafter.from_target(target, block_size=4, draft_token_ids=torch.tensor([40, 3, 17, 90, 5]))
+    head = drafter.draft_head(target.lm_head)
+    assert drafter.draft_head(target.lm_head) is head
+    assert drafter.draft_head(target.lm_head, dtype=torch.bfloat16) is not head
+    head = drafter.draft_head(target.lm_head)
+    with torch.no_grad():
+        target.lm_head.weight[3] += 1.0  # in place: the same tensor, a new version
+    changed = drafter.draft_head(target.lm_head)
+    assert changed is not head and torch.equal(changed.weight[0], target.lm_head.weight[3])
+    drafter.set_draft_vocab(torch.tensor([7, 8]))
+    narrowed = drafter.draft_head(target.lm_head)
+    assert narrowed is not changed and torch.equal(narrowed.weight, target.lm_head.weight[[7, 8]])
+    # Another drafter over the same target and vocabulary gathers its own.
+    other = DFlyDrafter.from_target(target, block_size=4, draft_token_ids=torch.tensor([7, 8]))
+    assert other.draft_head(target.lm_head) is not narrowed
 
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)

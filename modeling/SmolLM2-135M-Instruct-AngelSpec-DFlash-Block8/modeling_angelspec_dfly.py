@@ -8,6 +8,8 @@ Hybrid conditioning and the left-to-right hidden-correction head are config swit
 special cases. Single-file style (torch, transformers, sibling modules) so it ships as remote code.
 """
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,10 @@ from .modeling_angelspec_common import (
     split_heads,
     stack_right_padded,
 )
+
+# Each drafter's gathered draft-vocabulary head and what it was gathered from (`DFlyDrafter.draft_head`);
+# held outside the module so that copying or saving a drafter never meets it.
+_DRAFT_HEADS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 class DFlyLayer(nn.Module):
@@ -201,14 +207,31 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
         return self.draft_head(target_lm_head).subset_logits(self.final_norm(z).to(target_lm_head.weight.dtype))
 
     def draft_head(self, target_lm_head: nn.Module, dtype: torch.dtype | None = None):
-        """The head drafting uses: the target's, or only its draft-vocabulary rows (gather once per
-        call), those optionally copied in ``dtype`` (see `VocabSubsetHead`).
+        """The head drafting uses: the target's, or only its draft-vocabulary rows, those optionally
+        copied in ``dtype`` (see `VocabSubsetHead`); the gathered rows are kept for the next call
+        while the target's head weight, the draft vocabulary and ``dtype`` stay the same.
+
+        Why kept: every candidate generator asks for it, one per `generate` call and one per engine
+        request and drafter, and the gather (4096 x 576 rows here) took 21 ms a request in a
+        concurrency-16 engine pass of the reference target, whether the request ever drafted or not:
+        2% of a pass of the router over two block drafters, whose gates stayed shut throughout.
 
         A reduced vocabulary can also be set after training on the full one (`set_draft_vocab`).
         """
         if not self.config.uses_reduced_vocab:
             return target_lm_head
-        return VocabSubsetHead(target_lm_head, self.draft_vocab, self.config.vocab_size, dtype)
+        weight, vocab = target_lm_head.weight, self.draft_vocab
+        dtype = dtype or weight.dtype
+        cached = _DRAFT_HEADS.get(self)
+        if cached is not None:
+            weight_ref, weight_version, vocab_ref, vocab_version, cached_dtype, head = cached
+            # Weak references: identity while the tensors live, never a stale match at a reused address.
+            if (weight_ref() is weight and weight_version == weight._version and vocab_ref() is vocab
+                    and vocab_version == vocab._version and cached_dtype == dtype):
+                return head
+        head = VocabSubsetHead(target_lm_head, vocab, self.config.vocab_size, dtype)
+        _DRAFT_HEADS[self] = weakref.ref(weight), weight._version, weakref.ref(vocab), vocab._version, dtype, head
+        return head
 
     def draft_logits(self, z: torch.Tensor, head) -> torch.Tensor:
         """Drafting's logits from a `draft_head`: over its draft-vocabulary columns for a reduced
