@@ -168,9 +168,14 @@ def test_draft_linear_packs_at_inference_and_trains_like_nn_linear(monkeypatch, 
     monkeypatch.setattr(common, "_PACKING_AGREES", {})
     monkeypatch.setattr(common, "packing_error", lambda *args, **kwargs: 1.0)
     fresh = common.DraftLinear(40, 24, bias=True).to(dtype)
+    asked = []
+    agrees = common.packing_agrees
+    monkeypatch.setattr(common, "packing_agrees", lambda *args: asked.append(1) or agrees(*args))
     with torch.no_grad():
-        assert torch.equal(fresh(block), F.linear(block, fresh.weight, fresh.bias))
-    assert fresh not in common._PACKED_WEIGHTS
+        for _ in range(2):
+            assert torch.equal(fresh(block), F.linear(block, fresh.weight, fresh.bias))
+    assert common.packed_weight(fresh, fresh.weight, fresh.bias) is None
+    assert len(asked) == 1, "the refusal is kept with the weight: not packed again on every product"
 
 
 def test_reduced_vocabulary_maps_draft_ids_to_target_ids(targets):
@@ -226,6 +231,10 @@ def test_dfly_reduced_head_is_gathered_again_only_when_its_sources_change():
     # Another drafter over the same target and vocabulary gathers its own.
     other = DFlyDrafter.from_target(target, block_size=4, draft_token_ids=torch.tensor([7, 8]))
     assert other.draft_head(target.lm_head) is not narrowed
+    # A `.data` swap keeps the weight object and its version: its new memory still tells.
+    target.lm_head.weight.data = torch.randn_like(target.lm_head.weight)
+    swapped = drafter.draft_head(target.lm_head)
+    assert swapped is not narrowed and torch.equal(swapped.weight, target.lm_head.weight[[7, 8]])
 
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)

@@ -48,6 +48,37 @@ def test_a_changed_weight_is_packed_again_and_training_uses_the_stock_layers():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
+def _same_memory_new_values(weight: torch.Tensor) -> torch.nn.Parameter:
+    """A new parameter at ``weight``'s address and version holding other values: what a replaced
+    weight can look like when the allocator hands the freed block to the new one. The write goes
+    through a NumPy view, which PyTorch's version counter does not see, so ``weight`` keeps its
+    version; the new one is brought to it by adding zero in place."""
+    memory = weight.detach().numpy()
+    memory *= -2.0
+    replacement = torch.nn.Parameter(torch.from_numpy(memory), requires_grad=weight.requires_grad)
+    with torch.no_grad():
+        while replacement._version < weight._version:
+            replacement.add_(0.0)
+    assert replacement.data_ptr() == weight.data_ptr() and replacement._version == weight._version
+    return replacement
+
+
+def test_a_weight_replaced_at_the_same_address_and_version_is_packed_again():
+    """A data pointer and version alone would match the old packed copy and verify with stale
+    weights; the weight's identity tells them apart. So does a ``.data`` swap, which keeps both the
+    object and its version."""
+    target = tiny_target("llama", seed=0)
+    pack_linear_weights(target)
+    layer = linear_layers(target)[0]
+    rows = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        layer(rows)  # packed
+        layer.weight = _same_memory_new_values(layer.weight)
+        torch.testing.assert_close(layer(rows), F.linear(rows, layer.weight), rtol=1e-5, atol=1e-6)
+        layer.weight.data = torch.randn_like(layer.weight)  # the same object and version, other memory
+        torch.testing.assert_close(layer(rows), F.linear(rows, layer.weight), rtol=1e-5, atol=1e-6)
+
+
 def test_packing_refuses_what_it_cannot_speed_up():
     with pytest.raises(PackedLinearError, match="float32 targets on a CPU"):
         pack_linear_weights(tiny_target("llama", seed=0).to(torch.bfloat16))

@@ -27,6 +27,7 @@ from .modeling_angelspec_common import (
     SwiGLU,
     VocabSubsetHead,
     apply_rotary,
+    derived_value,
     attend,
     rotary_cos_sin,
     sorted_draft_token_ids,
@@ -36,7 +37,7 @@ from .modeling_angelspec_common import (
 
 # Each drafter's gathered draft-vocabulary head and what it was gathered from (`DFlyDrafter.draft_head`);
 # held outside the module so that copying or saving a drafter never meets it.
-_DRAFT_HEADS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_DRAFT_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class DFlyLayer(nn.Module):
@@ -223,16 +224,8 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
             return target_lm_head
         weight, vocab = target_lm_head.weight, self.draft_vocab
         dtype = dtype or weight.dtype
-        cached = _DRAFT_HEADS.get(self)
-        if cached is not None:
-            weight_ref, weight_version, vocab_ref, vocab_version, cached_dtype, head = cached
-            # Weak references: identity while the tensors live, never a stale match at a reused address.
-            if (weight_ref() is weight and weight_version == weight._version and vocab_ref() is vocab
-                    and vocab_version == vocab._version and cached_dtype == dtype):
-                return head
-        head = VocabSubsetHead(target_lm_head, vocab, self.config.vocab_size, dtype)
-        _DRAFT_HEADS[self] = weakref.ref(weight), weight._version, weakref.ref(vocab), vocab._version, dtype, head
-        return head
+        return derived_value(_DRAFT_HEADS, self, (weight, vocab), dtype,
+                             VocabSubsetHead, target_lm_head, vocab, self.config.vocab_size, dtype)
 
     def draft_logits(self, z: torch.Tensor, head) -> torch.Tensor:
         """Drafting's logits from a `draft_head`: over its draft-vocabulary columns for a reduced

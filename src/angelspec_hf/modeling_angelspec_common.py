@@ -78,9 +78,9 @@ class RMSNorm(nn.Module):
 # 5.2 ms (3.7%).
 
 _ROW_KERNELS: dict[tuple, str] = {}  # (shape, dtype) -> fastest one-row kernel on this CPU
-# Owner (a layer or a `RowLinear`) -> (its packed weight, the weight's (data pointer, version) when
-# packed). Kept beside the owners: a packed weight is an opaque oneDNN tensor that `copy.deepcopy`
-# and pickling cannot copy, so a copied drafter packs its own on first use.
+# Owner (a layer or a `RowLinear`) -> its packed weight (or None where packing disagrees), as a
+# `derived_value`. Kept beside the owners: a packed weight is an opaque oneDNN tensor that
+# `copy.deepcopy` and pickling cannot copy, so a copied drafter packs its own on first use.
 _PACKED_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # (shape, dtype, has bias) -> whether the packed product agrees with F.linear on this machine.
 _PACKING_AGREES: dict[tuple, bool] = {}
@@ -122,20 +122,47 @@ def packing_error(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     return float((got - expected).abs().max()) / (float(expected.abs().max()) or 1.0)
 
 
+def tensor_stamp(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """What names the contents of ``tensors`` for a cache of values computed from them: per tensor a
+    weak reference (its identity while alive: a tensor allocated where a freed one was never
+    matches), its data pointer (``.data`` swapped under the same object keeps the version) and its
+    version (bumped by every in-place update through PyTorch)."""
+    return tuple((weakref.ref(tensor), tensor.data_ptr(), tensor._version) for tensor in tensors)
+
+
+def derived_value(cache: weakref.WeakKeyDictionary, owner: object, sources: tuple[torch.Tensor, ...],
+                  key: object, build, *args):
+    """``owner``'s value ``build(*args)`` computed from ``sources`` and ``key`` (whatever else it
+    depends on), kept in ``cache`` and computed again when a source changed since (updated in place,
+    replaced or ``.data``-swapped, see `tensor_stamp`) or ``key`` differs. The one rule for every
+    value kept beside a model and computed from its tensors: a stale one would break losslessness,
+    not just speed. Writes that bypass PyTorch's version counter (through a NumPy view of the
+    memory) are not seen."""
+    entry = cache.get(owner)
+    # Inline and without closures: verify forwards ask once per linear layer (about 1 us a call).
+    if entry is not None and entry[1] == key and len(entry[0]) == len(sources):
+        for (ref, pointer, version), tensor in zip(entry[0], sources):
+            if ref() is not tensor or pointer != tensor.data_ptr() or version != tensor._version:
+                break
+        else:
+            return entry[2]
+    value = build(*args)
+    cache[owner] = tensor_stamp(sources), key, value
+    return value
+
+
+def _pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, check: bool) -> torch.Tensor | None:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    return packed if not check or packing_agrees(weight, packed, bias) else None
+
+
 def packed_weight(owner: object, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   check: bool = True) -> torch.Tensor | None:
-    """``owner``'s packed copy of ``weight``, packed again when the weight changed since (updated in
-    place or replaced). With ``check``, None where the packed product disagrees with ``F.linear``
-    on this machine (checked once per shape and dtype; the caller then keeps ``F.linear``)."""
-    stamp = (weight.data_ptr(), weight._version)
-    packed, packed_stamp = _PACKED_WEIGHTS.get(owner, (None, None))
-    if packed is not None and packed_stamp == stamp:
-        return packed
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    if check and not packing_agrees(weight, packed, bias):
-        return None
-    _PACKED_WEIGHTS[owner] = packed, stamp
-    return packed
+    """``owner``'s packed copy of ``weight``, packed again when the weight changed since (see
+    `derived_value`). With ``check``, None where the packed product disagrees with ``F.linear``
+    on this machine (checked once per shape and dtype; the caller then keeps ``F.linear``, and the
+    refusal is kept like a packed copy)."""
+    return derived_value(_PACKED_WEIGHTS, owner, (weight,), check, _pack_weight, weight, bias, check)
 
 
 def packing_agrees(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
