@@ -54,6 +54,18 @@ def test_exact_attention_follows_a_padding_mask_and_zeroes_rows_that_see_nothing
     torch.testing.assert_close(out.double(), _reference_attention(query, key, value, mask[:, 0][:, None]), atol=1e-5, rtol=1e-5)
 
 
+def test_exact_attention_follows_a_mask_updated_in_place_between_forwards():
+    """The per-forward mask bias is kept for the next layer of the same forward; a caller that
+    updates its mask in place (the same object) must not get the old bias."""
+    torch.manual_seed(3)
+    query, key, value = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    mask = torch.ones(2, 1, 3, 7, dtype=torch.bool).tril(4)
+    exact_attention(_Attention(), query, key, value, mask)
+    mask[0, :, :, :3] = False
+    out, _ = exact_attention(_Attention(), query, key, value, mask)
+    torch.testing.assert_close(out.double(), _reference_attention(query, key, value, mask[:, 0][:, None]), atol=1e-5, rtol=1e-5)
+
+
 def test_exact_attention_rows_do_not_depend_on_other_rows_or_later_keys():
     torch.manual_seed(2)
     query = torch.randn(1, 6, 9, 16).bfloat16()

@@ -122,8 +122,9 @@ def _row_bias(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_le
     elsewhere, padding keys included. Every layer of a forward gets the same mask object, so a
     decoding or verify forward's (one chunk) is built once per forward; a long prefill's chunks
     are built per layer, not kept."""
+    # The mask's version too: one updated in place between forwards is the same object.
     shape = (batch, q_len, kv_len, padded, causal, kv_heads, groups,
-             tuple(attention_mask.shape) if attention_mask is not None else None)
+             None if attention_mask is None else (tuple(attention_mask.shape), attention_mask._version))
     if _bias_cache.get("shape") != shape or _bias_cache.get("mask") is not attention_mask:
         _bias_cache.clear()
         _bias_cache.update(shape=shape, mask=attention_mask)
