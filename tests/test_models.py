@@ -235,6 +235,14 @@ def test_dfly_reduced_head_is_gathered_again_only_when_its_sources_change():
     target.lm_head.weight.data = torch.randn_like(target.lm_head.weight)
     swapped = drafter.draft_head(target.lm_head)
     assert swapped is not narrowed and torch.equal(swapped.weight, target.lm_head.weight[[7, 8]])
+    # A head with a bias: its rows are gathered too, so a bias added or changed gathers afresh.
+    target.lm_head.bias = torch.nn.Parameter(torch.zeros(target.lm_head.out_features))
+    biased = drafter.draft_head(target.lm_head)
+    assert biased is not swapped and torch.equal(biased.bias, torch.zeros(2))
+    with torch.no_grad():
+        target.lm_head.bias[8] = 3.0
+    moved = drafter.draft_head(target.lm_head)
+    assert moved is not biased and torch.equal(moved.bias, torch.tensor([0.0, 3.0]))
 
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)

@@ -392,7 +392,8 @@ def sorted_draft_token_ids(token_ids, vocab_size: int, draft_vocab_size: int | N
 
 
 class VocabSubsetHead:
-    """The rows of a target ``lm_head`` for a draft vocabulary, gathered once per generate call.
+    """The rows of a target ``lm_head`` (and of its bias) for a draft vocabulary, gathered once and
+    kept by the drafter while they stay the same (`DFlyDrafter.draft_head`).
 
     ``dtype`` (default: the head's own) lets drafting score in the drafter's precision: a bfloat16
     copy halves the bytes each sequential draft step reads, and a draft's precision cannot change

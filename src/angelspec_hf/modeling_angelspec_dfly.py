@@ -210,7 +210,8 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
     def draft_head(self, target_lm_head: nn.Module, dtype: torch.dtype | None = None):
         """The head drafting uses: the target's, or only its draft-vocabulary rows, those optionally
         copied in ``dtype`` (see `VocabSubsetHead`); the gathered rows are kept for the next call
-        while the target's head weight, the draft vocabulary and ``dtype`` stay the same.
+        while the target's head weight (and bias, where it has one), the draft vocabulary and
+        ``dtype`` stay the same.
 
         Why kept: every candidate generator asks for it, one per `generate` call and one per engine
         request and drafter, and the gather (4096 x 576 rows here) took 21 ms a request under cProfile
@@ -223,8 +224,10 @@ class DFlyDrafter(AngelSpecPreTrainedModel):
         if not self.config.uses_reduced_vocab:
             return target_lm_head
         weight, vocab = target_lm_head.weight, self.draft_vocab
+        bias = getattr(target_lm_head, "bias", None)
+        sources = (weight, vocab) if bias is None else (weight, vocab, bias)  # `VocabSubsetHead` gathers the bias too
         dtype = dtype or weight.dtype
-        return derived_value(_DRAFT_HEADS, self, (weight, vocab), dtype,
+        return derived_value(_DRAFT_HEADS, self, sources, dtype,
                              VocabSubsetHead, target_lm_head, vocab, self.config.vocab_size, dtype)
 
     def draft_logits(self, z: torch.Tensor, head) -> torch.Tensor:
