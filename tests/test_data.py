@@ -84,6 +84,27 @@ def test_interrupted_rollouts_keep_every_finished_row(targets, tmp_path, monkeyp
     assert all(by_prompt[row["prompt"]] == row for row in rows)
 
 
+def test_rollouts_cut_inside_a_row_resume_with_that_row_generated_again(targets, tmp_path, caplog):
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    prompts = [" ".join(f"w{(5 * i + j) % 90 + 6}" for j in range(2 + i % 3)) for i in range(4)]
+    out = tmp_path / "rollouts.jsonl"
+    generate_rollouts(target, tokenizer, prompts[:3], out, max_new_tokens=6, batch_size=2)
+    whole = out.read_bytes()
+    last = whole[: -1].rfind(b"\n") + 1
+    # A run killed while writing its third row: half of it on disk, no newline.
+    out.write_bytes(whole[: last + (len(whole) - last) // 2])
+    kept = [json.loads(line) for line in whole[:last].decode().splitlines()]
+    with caplog.at_level("WARNING"):
+        assert len(rollout_sequences([out], seq_len=64)) <= 2  # training reads the whole rows only
+    assert "ends inside a row" in caplog.text
+    generate_rollouts(target, tokenizer, prompts, out, max_new_tokens=6, batch_size=2)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[:2] == kept and sorted(row["prompt"] for row in rows) == sorted(prompts)
+    out.write_text(out.read_text().replace("}\n", "\n", 1))
+    with pytest.raises(ValueError, match="line 1, is not a JSON row"):
+        rollout_sequences([out], seq_len=64)
+
+
 def test_rollouts_keep_the_states_they_decode_for_training(targets, tmp_path):
     from angelspec_hf.training.features import FeatureCache, run_target
 

@@ -360,7 +360,7 @@ def load_target_model(name: str, dtype: str = "float32"):
 
 def run_rollouts(args: argparse.Namespace) -> int:
     from .prompts import PROMPT_SETS, load_prompts
-    from .training.data import generate_rollouts
+    from .training.data import generate_rollouts, read_records
 
     if args.feature_cache and args.dtype != "float32":
         # The cache is keyed by the target's dtype: bfloat16 states would sit where float32 training never looks.
@@ -376,7 +376,7 @@ def run_rollouts(args: argparse.Namespace) -> int:
 
         # Kept beside, not inside, the rollout folder: its rows are prompts, not rollouts.
         synthetic = Path(args.output_dir).parent / "prompts" / f"{Path(args.output_dir).name}-magpie.jsonl"
-        existing = [row["prompt"] for row in map(json.loads, synthetic.read_text().splitlines())] if synthetic.exists() else []
+        existing = [row["prompt"] for row in read_records(synthetic)] if synthetic.exists() else []
         held_out = {p for name in PROMPT_SETS for p in load_prompts(name, "eval")}
         prompts = synthesize_chat_prompts(target, tokenizer, args.magpie, batch_size=args.batch_size,
                                           existing=existing, exclude=held_out, opening=args.magpie_opening,

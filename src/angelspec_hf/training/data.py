@@ -52,9 +52,7 @@ def generate_rollouts(
     from ..generation.engine import SpeculativeEngine
 
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if out_file.exists():
-        done = {json.loads(line)["prompt"] for line in out_file.read_text().splitlines() if line.strip()}
+    done = {record["prompt"] for record in read_records(out_file, repair=True)} if out_file.exists() else set()
     prefix_of = {p: chat_prefix_ids(tokenizer, p) for p in dict.fromkeys(prompts) if p not in done}
     todo = sorted(prefix_of, key=lambda p: len(prefix_of[p]))
     prefixes = [prefix_of[p] for p in todo]
@@ -103,14 +101,41 @@ def strip_after_eos(row: list[int], eos: int | None) -> list[int]:
     return row
 
 
+def read_records(path: Path, repair: bool = False) -> list[dict]:
+    """The JSON rows of a JSONL file of rollouts, corpus rows or prompts.
+
+    Rows are written whole with their newline last, so a file that does not end in a newline was cut
+    inside its last row (a run killed while writing it): that row is left out with a warning, and with
+    ``repair`` cut from the file, so that rows appended next start on a line of their own (appended
+    after the fragment, the first of them would be lost with it and the file unreadable). A broken row
+    anywhere else is an error naming its line.
+    """
+    path = Path(path)
+    raw = path.read_bytes()
+    whole = raw.rfind(b"\n") + 1
+    if whole < len(raw):
+        logger.warning("%s ends inside a row (%d bytes after the last newline, a run stopped while writing it): "
+                       "%s.", path, len(raw) - whole,
+                       "cut from the file; its prompt is generated again" if repair else "that row is left out")
+        if repair:
+            with open(path, "r+b") as handle:
+                handle.truncate(whole)
+    records = []
+    for number, line in enumerate(raw[:whole].split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}, line {number}, is not a JSON row ({error}): fix or delete that line.") from None
+    return records
+
+
 def rollout_sequences(files: list[Path], seq_len: int) -> list[dict]:
     """Rollout rows as training sequences: prompt + response, loss from the response start."""
     rows = []
     for path in files:
-        for line in Path(path).read_text().splitlines():
-            if not line.strip():
-                continue
-            record = json.loads(line)
+        for record in read_records(path):
             if "response_ids" not in record:
                 raise ValueError(f"{path} holds rows without response_ids: it is not a rollout or corpus file.")
             row = record_row(record, seq_len)
