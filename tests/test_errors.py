@@ -13,6 +13,7 @@ from angelspec_hf.errors import (
     DrafterCheckpointError,
     DrafterTargetMismatchError,
     UnsupportedCacheError,
+    UnsupportedGenerationModeError,
 )
 from angelspec_hf.reference import tiny_target
 
@@ -43,6 +44,19 @@ def test_batch_size_above_one(targets):
     target = targets.target("llama")
     with pytest.raises(BatchSizeNotSupportedError, match="once per prompt"):
         generate(target, MTPDrafter.from_target(target), prompt=PROMPT.repeat(2, 1), attention_mask=torch.ones(2, 5))
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly"])
+@pytest.mark.parametrize("beams", [{"num_beams": 2}, {"num_beams": 3, "do_sample": True}])
+def test_beam_search_is_refused_not_run_without_the_drafter(targets, kind, beams):
+    # transformers would warn and run plain beam search, the drafter unused.
+    target = targets.target("llama")
+    drafter = MTPDrafter.from_target(target) if kind == "mtp" else DFlyDrafter.from_target(target)
+    options = {"do_sample": False, **beams}
+    with pytest.raises(UnsupportedGenerationModeError, match="drop num_beams") as info:
+        target.generate(PROMPT, assistant_model=drafter, max_new_tokens=6, eos_token_id=None, **options)
+    assert f"num_beams={beams['num_beams']}" in str(info.value)
+    generate(target, drafter, num_beams=1)
 
 
 def test_static_cache_and_disabled_cache(targets):

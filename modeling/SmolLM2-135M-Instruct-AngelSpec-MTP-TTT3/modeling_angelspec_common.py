@@ -38,6 +38,7 @@ from .errors import (
     DrafterCheckpointError,
     DrafterTargetMismatchError,
     UnsupportedCacheError,
+    UnsupportedGenerationModeError,
 )
 
 logger = logging.get_logger(__name__)
@@ -1295,6 +1296,18 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
                 f"{type(self).__name__}.from_target(target) and train it."
             )
 
+    def check_generation_mode(self, generation_mode: str, generation_config) -> None:
+        """Refuse a ``generate`` call that transformers would decode without the drafter: with beam
+        search it logs a warning and runs plain beam search, so the drafter would only cost time."""
+        if generation_mode == "assisted_generation":
+            return
+        beams = getattr(generation_config, "num_beams", 1)
+        raise UnsupportedGenerationModeError(
+            f"generate(assistant_model=drafter) with num_beams={beams} runs {generation_mode} without the drafter "
+            "(transformers speculates only for greedy decoding and sampling), so nothing would be sped up. "
+            "Fix: drop num_beams (and num_beam_groups) to decode speculatively, or drop assistant_model for beam search."
+        )
+
     def validate_generate_call(self, input_ids: torch.Tensor, generation_config, model_kwargs: dict[str, Any]) -> None:
         """Checks made before ``transformers`` starts assisted decoding, with typed errors."""
         if input_ids.shape[0] != 1:
@@ -1373,6 +1386,7 @@ def install_generate_integration() -> None:
         assistant = generation_mode_kwargs.get("assistant_model")
         if ours(assistant, generation_config):
             assistant.check_target(self)
+            assistant.check_generation_mode(generation_mode, generation_config)
         return validate_mode(self, generation_mode, generation_config, generation_mode_kwargs)
 
     def _assisted_decoding(self, input_ids, *args, **kwargs):

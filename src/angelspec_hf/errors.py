@@ -26,6 +26,10 @@ class BatchSizeNotSupportedError(AngelSpecError, ValueError):
     """``target.generate(assistant_model=drafter)`` was called with more than one sequence."""
 
 
+class UnsupportedGenerationModeError(AngelSpecError, ValueError):
+    """``generate`` was asked for a decoding mode (beam search) that transformers runs without the assistant."""
+
+
 class UnsupportedCacheError(AngelSpecError, ValueError):
     """The target's KV cache cannot be rolled back after a rejected draft."""
 
