@@ -266,6 +266,18 @@ def test_train_command_continues_and_grows_a_drafter(targets, monkeypatch, tmp_p
         train("--recipe", "dfly-code", "--grow-layers", "4")
 
 
+def test_train_command_names_rows_too_short_to_train_on(monkeypatch, tmp_path, caplog):
+    """Rollout rows with fewer than MIN_TRAINED_TOKENS response tokens are left out, and said so: with
+    no row left, the error names the options that make them long enough, not a missing --data."""
+    train, seen = stubbed_train_command(monkeypatch, tmp_path)
+    with caplog.at_level("WARNING"):
+        assert train("--recipe", "dfly-code") == 0  # the row's 51 response tokens are enough
+    assert len(seen) == 1 and "Left out" not in caplog.text
+    with caplog.at_level("WARNING"), pytest.raises(SystemExit, match="rollouts --max-new-tokens"):
+        train("--recipe", "dfly-code", "--rollout-length", "30")
+    assert "Left out 1 of 1 rows with fewer than 32 response tokens within the first 30" in caplog.text
+
+
 def test_train_command_rewires_an_mtp_drafter_to_other_target_layers(targets, monkeypatch, tmp_path):
     """`train --from DIR --target-layers ...` rewires an MTP drafter's fusion (recorded in the recipe,
     with --weight-decay); a block drafter is refused with the fix; a malformed list is an argparse error;

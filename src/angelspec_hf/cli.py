@@ -396,7 +396,7 @@ def run_rollouts(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     from .training.corpus import framed_code_sequences
-    from .training.data import rollout_sequences
+    from .training.data import MIN_TRAINED_TOKENS, rollout_sequences
     from .training.recipes import RECIPES, Recipe, continued_drafter, train_drafter
 
     if args.grow_layers is not None and not args.from_drafter:
@@ -409,6 +409,10 @@ def run_train(args: argparse.Namespace) -> int:
         corpus_tokens = 400_000 if RECIPES[args.recipe][0] == "dfly" else 0
     corpus = framed_code_sequences(tokenizer, seq_len=args.corpus_length, max_tokens=corpus_tokens) if corpus_tokens else []
     if not rollouts and not corpus:
+        if args.data:
+            raise SystemExit(f"no training data: no row of --data has {MIN_TRAINED_TOKENS} response tokens within "
+                             f"--rollout-length {args.rollout_length}; make longer rollouts (rollouts --max-new-tokens), "
+                             "raise --rollout-length, or add --corpus-tokens > 0")
         raise SystemExit("no training data: give --data with rollouts and/or --corpus-tokens > 0")
     recipe = Recipe(name=args.recipe, block_size=args.block_size, num_hidden_layers=args.layers,
                     num_draft_tokens=args.draft_tokens, draft_vocab_size=args.draft_vocab_size,

@@ -132,8 +132,11 @@ def read_records(path: Path, repair: bool = False) -> list[dict]:
 
 
 def rollout_sequences(files: list[Path], seq_len: int) -> list[dict]:
-    """Rollout rows as training sequences: prompt + response, loss from the response start."""
-    rows = []
+    """Rollout rows as training sequences: prompt + response, loss from the response start.
+
+    Rows with fewer than ``MIN_TRAINED_TOKENS`` response tokens within ``seq_len`` are left out,
+    and how many is logged: short responses, or prompts that fill most of ``seq_len``."""
+    rows, short = [], 0
     for path in files:
         for record in read_records(path):
             if "response_ids" not in record:
@@ -141,6 +144,12 @@ def rollout_sequences(files: list[Path], seq_len: int) -> list[dict]:
             row = record_row(record, seq_len)
             if len(row["input_ids"]) - row["loss_start"] >= MIN_TRAINED_TOKENS:
                 rows.append(row)
+            else:
+                short += 1
+    if short:
+        logger.warning("Left out %d of %d rows with fewer than %d response tokens within the first %d tokens "
+                       "(longer rollouts: rollouts --max-new-tokens; room after long prompts: --rollout-length).",
+                       short, short + len(rows), MIN_TRAINED_TOKENS, seq_len)
     return rows
 
 
