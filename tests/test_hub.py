@@ -156,3 +156,31 @@ def test_evaluation_writes_measured_numbers_into_the_card(targets, tmp_path):
     assert meta["angelspec_results"]["math"]["tau"] == stored["math"]["tau"]
     assert meta["angelspec_results"]["math"]["dtype"] == "float32"
     assert f"target in float32, 12 new tokens, {stored['math']['threads']} torch thread" in card
+
+
+def test_eval_command_measures_the_held_out_rows_of_a_prompt_file(targets, tmp_path, monkeypatch):
+    """`eval --prompts FILE` measures the rows `rollouts --prompts FILE` leaves out of training
+    (every fourth, from the first), reported under the file's name; a bad file is refused by name
+    before anything loads."""
+    from angelspec_hf import cli
+    from angelspec_hf.prompts import load_prompts
+    from fitting import tiny_tokenizer
+
+    target = targets.target("llama")
+    monkeypatch.setattr(cli, "load_target", lambda name, dtype="float32": (target, tiny_tokenizer()))
+    targets.fitted("llama", "dfly-hybrid-corr").save_pretrained(tmp_path / "drafter")
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"prompt": f"w{6 + i} w{40 + i} w{70 + i}"}) + "\n" for i in range(9)))
+    report = tmp_path / "eval.json"
+    args = ["eval", "--drafter", str(tmp_path / "drafter"), "--target", "tiny", "--prompts", str(mine),
+            "--max-new-tokens", "8", "--report", str(report)]
+    assert cli.main(args) == 0
+    measured = json.loads(report.read_text())["domains"]
+    assert list(measured) == ["mine"] and measured["mine"]["prompts"] == 3  # rows 1, 5 and 9
+    assert set(load_prompts(str(mine), "eval")) == {"w6 w40 w70", "w10 w44 w74", "w14 w48 w78"}
+    assert not set(load_prompts(str(mine), "eval")) & set(load_prompts(str(mine), "train"))
+    assert cli.main([*args, "--per-set", "1"]) == 0
+    assert json.loads(report.read_text())["domains"]["mine"]["prompts"] == 1
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(SystemExit, match="--prompts: .*bad.jsonl, line 1"):
+        cli.main([*args[:6], str(tmp_path / "bad.jsonl")])

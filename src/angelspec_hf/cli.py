@@ -253,7 +253,7 @@ def check_positive(count: int | None) -> None:
 
 
 def check_prompt_files(paths: list[str]) -> None:
-    """Refuse `bench --prompts` files that cannot be read as prompts, or whose names collide (rows
+    """Refuse `bench` or `eval` `--prompts` files that cannot be read as prompts, or whose names collide (rows
     are labelled by file name)."""
     from .prompts import domain_label, domain_prompts
 
@@ -516,12 +516,13 @@ def run_draft_vocab(args: argparse.Namespace) -> int:
 
 
 def measure_drafter(target, tokenizer, drafter_dir, domains: list[str], per_set: int, max_new_tokens: int):
-    """Greedy tau and identity of a saved drafter on the held-out prompts of each domain."""
+    """Greedy tau and identity of a saved drafter on the held-out prompts of each domain (bundled, or
+    a JSONL prompt file: see `held_out_prompts`)."""
     from .evaluation import evaluate_drafter
-    from .prompts import domain_prompts
+    from .prompts import domain_label, held_out_prompts
 
     drafter = AutoModel.from_pretrained(drafter_dir, dtype=target.dtype).eval()
-    prompts = {domain: domain_prompts(domain, "eval", per_set) for domain in domains}
+    prompts = {domain_label(domain): held_out_prompts(domain, per_set) for domain in domains}
     return evaluate_drafter(target, tokenizer, drafter, prompts, max_new_tokens=max_new_tokens)
 
 
@@ -543,13 +544,21 @@ def evaluate_into_card(target, tokenizer, drafter_dir: Path, domains: list[str],
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    domains = args.prompts or args.domains
+    # A prompt file's first row is held out, so a readable file always has a prompt to measure.
+    for option, check in (("--per-set", lambda: check_positive(args.per_set)),
+                          ("--prompts", lambda: check_prompt_files(args.prompts or []))):
+        try:
+            check()
+        except ValueError as error:
+            raise SystemExit(f"{option}: {error}") from None
     target, tokenizer = load_target(args.target, args.dtype)
     if args.dtype != "float32":
         from .generation.exact import make_verification_exact
 
         make_verification_exact(target)  # otherwise reduced precision is not token-identical (generation/exact.py)
     measure = evaluate_into_card if args.card else measure_drafter
-    results = measure(target, tokenizer, Path(args.drafter), args.domains, args.per_set, args.max_new_tokens)
+    results = measure(target, tokenizer, Path(args.drafter), domains, args.per_set, args.max_new_tokens)
     report = {"drafter": str(args.drafter), "target": args.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
               "torch_threads": torch.get_num_threads(), "domains": {d: r.as_dict() for d, r in results.items()}}
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
@@ -772,7 +781,12 @@ def build_parser() -> argparse.ArgumentParser:
     # Every domain by default: with --card the card holds what was measured, and an MTP drafter evaluated
     # on the old default (code and math) lost its chat row, the domain it is trained for.
     evaluate.add_argument("--domains", nargs="+", default=["chat", "code", "math"], choices=["chat", "code", "math"])
-    evaluate.add_argument("--per-set", type=int, default=8, help="held-out prompts per prompt set")
+    evaluate.add_argument("--prompts", nargs="+", metavar="FILE",
+                          help='JSONL prompt files (one {"prompt": ...} a line) to measure instead of the bundled sets, '
+                               "each a domain named after the file: its held-out rows (1, 5, 9, ...: those that "
+                               "`rollouts --prompts FILE` leaves out of training)")
+    evaluate.add_argument("--per-set", type=int, default=8,
+                          help="held-out prompts per prompt set (or of each --prompts file)")
     evaluate.add_argument("--max-new-tokens", type=int, default=128)
     evaluate.add_argument("--report", default="reports/eval.json")
     evaluate.add_argument("--dtype", default="float32", choices=DTYPES,

@@ -50,11 +50,25 @@ def domain_prompts(domain: str, split: str = "eval", per_set: int | None = None)
     one's own prompts has no held-out split)."""
     if domain in DOMAINS:
         return [prompt for name in DOMAINS[domain] for prompt in load_prompts(name, split, per_set)]
+    return load_prompts(prompt_file(domain), "all", per_set)
+
+
+def held_out_prompts(domain: str, per_set: int | None = None) -> list[str]:
+    """Prompts a drafter was not trained on: the held-out split of every bundled set of a domain
+    (``per_set`` of each), or of a JSONL prompt file the rows `angelspec-hf rollouts --prompts FILE`
+    leaves out (every ``EVAL_EVERY``-th, from the first; its first ``per_set`` of them)."""
+    if domain in DOMAINS:
+        return domain_prompts(domain, "eval", per_set)
+    return load_prompts(prompt_file(domain), "eval", per_set)
+
+
+def prompt_file(domain: str) -> str:
+    """A domain that is not a bundled one, checked to be a JSONL prompt file."""
     path = Path(domain)
     if path.suffix != ".jsonl" or not path.is_file():
         raise ValueError(f"domain must be one of {sorted(DOMAINS)} or a JSONL prompt file "
                          f'(one {{"prompt": ...}} a line), got {domain!r}.')
-    return load_prompts(str(path), "all", per_set)
+    return str(path)
 
 
 def domain_label(domain: str) -> str:
