@@ -1,6 +1,8 @@
 """D-cut and the cost model."""
 
+import dataclasses
 import itertools
+import json
 import logging
 import platform
 from pathlib import Path
@@ -379,7 +381,8 @@ def test_a_drafters_first_batch_step_waits_where_a_good_drafter_would_only_break
     # of 8 tokens (3.1 s / 128), each missed position read at CATCH_UP_SHARE of it.
     assert flat.cost_model.slot_seconds(10) == pytest.approx(3.1 / 128)
     reading = 16 * 300 * CATCH_UP_SHARE * 3.1 / 128
-    best = max((sum(FIRST_STEP_ACCEPTANCE ** j for j in range(w)) * 16 / (reading + 2.8 + 0.05 * (min(w, 8) - 2)))
+    # (Windows past the grid's 8 tokens go on at its last step's 0.05 s a token.)
+    best = max((sum(FIRST_STEP_ACCEPTANCE ** j for j in range(w)) * 16 / (reading + 2.8 + 0.05 * (w - 2)))
                / (16 / 2.0) for w in range(2, flat.first_window(16, 10) + 1))
     assert flat.first_step_efficiency(16, 10, catch_up=16 * 300) == pytest.approx(best)
     assert best < FIRST_STEP_MIN_EFFICIENCY <= flat.first_step_efficiency(16, 10, catch_up=16 * 5)
@@ -873,3 +876,104 @@ def test_generate_tells_the_policy_how_long_each_verify_forward_took(targets):
     assert contexts[0] == PROMPT_LENGTH + 1 and contexts == sorted(contexts)
     assert all(seconds > 0 and batch == 1 for seconds, _, _, batch in forwards)
     assert policy.pace is not None and policy.pace > 0
+
+
+def fake_profiler(cost_model, measured: list):
+    """A `profile_target` stand-in that records what it was asked to measure."""
+    def fake_profile(target, name, batch_sizes=(1,)):
+        measured.append(name)
+        return CostModel(target=name, hardware=cost_model.hardware_id(target.device), tokens=[1, 2], contexts=[0, 8],
+                         seconds=[[[1.0, 1.0], [0.5, 0.5]]] * len(batch_sizes), batch_sizes=list(batch_sizes),
+                         profile_format=cost_model.PROFILE_FORMAT)
+    return fake_profile
+
+
+def test_a_broken_or_foreign_saved_profile_is_named_and_measured_again(targets, tmp_path, monkeypatch, caplog):
+    """A profile cut short, with fields missing or seconds that are no times is a ValueError naming the
+    file; `load_or_profile` warns and measures again, as for the profile of a target whose name only
+    differs in characters a file name cannot hold. Saving leaves no partial file behind."""
+    from angelspec_hf.generation import cost_model
+
+    monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(cost_model, "profile_target", fake_profiler(cost_model, measured))
+    target = targets.target("llama")
+    path = cost_model.profile_path("org/m@float32", target.device)
+    path.parent.mkdir(parents=True)
+    good = CostModel(target="org/m@float32", hardware=cost_model.hardware_id(target.device), tokens=[1, 2],
+                     contexts=[0, 8], seconds=[[1.0, 1.0], [0.5, 0.5]], profile_format=cost_model.PROFILE_FORMAT)
+    text = json.dumps(dataclasses.asdict(good))
+    broken = {"cut short": text[: len(text) // 2], "a field missing": text.replace('"seconds"', '"secs"'),
+              "no times": text.replace("0.5", "NaN"), "empty": ""}
+    for what, content in broken.items():
+        path.write_text(content)
+        with pytest.raises(ValueError, match="is not a readable cost profile") as info:
+            CostModel.load(path)
+        assert str(path) in str(info.value), what
+        with caplog.at_level(logging.WARNING):
+            assert cost_model.load_or_profile(target, "org/m", batch_sizes=(1,)).target == "org/m@float32"
+        assert measured[-1] == "org/m@float32" and "profiling again" in caplog.text, what
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # saved whole, nothing partial
+    assert cost_model.profile_path("org_m@float32", target.device) == path
+    cost_model.load_or_profile(target, "org_m", batch_sizes=(1,))
+    assert measured[-1] == "org_m@float32", "another target's profile at the same path is not used"
+    with pytest.raises(ValueError, match="distinct"):
+        CostModel(target="t", hardware="h", tokens=[1, 1], contexts=[0], seconds=[[1.0], [1.0]])
+
+
+def test_profiles_are_keyed_by_the_targets_device_not_the_machines(tmp_path, monkeypatch):
+    """On a machine with a GPU, a CPU target's profile is the CPU's: keyed by the GPU it shared a file
+    with the GPU target's, and each loaded the other's without a warning."""
+    from angelspec_hf.generation import cost_model
+
+    monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"Fake GPU {torch.device(device).index}")
+    assert cost_model.hardware_id("cpu").startswith("cpu:") and "Fake GPU" not in cost_model.hardware_id("cpu")
+    assert cost_model.hardware_id("cuda:1") == "cuda:Fake GPU 1"
+    assert cost_model.hardware_id() == "cuda:Fake GPU None"  # no device: the machine's first GPU, as before
+    assert cost_model.profile_path("t", "cpu") != cost_model.profile_path("t", "cuda:0")
+    assert cost_model.profile_path("t", "cuda:0") != cost_model.profile_path("t", "cuda:1")
+
+
+def test_long_target_names_give_profile_file_names_a_file_system_takes(tmp_path, monkeypatch):
+    from angelspec_hf.generation import cost_model
+
+    monkeypatch.setenv("ANGELSPEC_HF_HOME", str(tmp_path))
+    deep = "/".join(["checkpoints"] * 20)
+    paths = [cost_model.profile_path(f"{deep}/{name}@float32", "cpu") for name in ("run-a", "run-b")]
+    assert paths[0] != paths[1] and all(len(path.name) <= 255 for path in paths)
+    CostModel(target="t", hardware="h", tokens=[1], contexts=[0], seconds=[[1.0]]).save(paths[0])
+    assert cost_model.profile_path("short@float32", "cpu").name.startswith("short_float32--cpu")
+
+
+def test_cost_model_axes_in_any_order_and_new_tokens_past_the_grid():
+    """Axes are sorted with their grid (unsorted, the monotone fit copied the largest batch's times into
+    the smaller ones); new tokens past the grid go on along its last step, not flat."""
+    ordered = CostModel(target="t", hardware="h", tokens=[1, 8, 16], contexts=[0, 100], batch_sizes=[1, 4],
+                        seconds=[[[1.0, 1.5], [1.2, 1.8], [1.6, 2.6]], [[2.0, 3.0], [4.0, 6.0], [8.0, 12.0]]])
+    shuffled = CostModel(target="t", hardware="h", tokens=[16, 1, 8], contexts=[100, 0], batch_sizes=[4, 1],
+                         seconds=[[[12.0, 8.0], [3.0, 2.0], [6.0, 4.0]], [[2.6, 1.6], [1.5, 1.0], [1.8, 1.2]]])
+    assert shuffled.seconds == ordered.seconds and shuffled.batch_sizes == [1, 4] and shuffled.tokens == [1, 8, 16]
+    assert ordered.verify_seconds(1, 0) == pytest.approx(1.0)
+    assert ordered.verify_seconds(16, 0) == pytest.approx(1.6)
+    assert ordered.verify_seconds(32, 0) == pytest.approx(1.6 + 16 * (1.6 - 1.2) / 8)
+    assert ordered.verify_seconds(24, 100, batch=4) == pytest.approx(12.0 + 8 * (12.0 - 6.0) / 8)
+    flat_then_cheaper = CostModel(target="t", hardware="h", tokens=[1, 8, 16], contexts=[0],
+                                  seconds=[[1.0], [2.0], [1.5]])
+    assert flat_then_cheaper.verify_seconds(40, 0) == pytest.approx(1.5)  # never below the last point
+
+
+def test_confidences_that_are_not_probabilities_do_not_stop_dcut():
+    """A drafter whose logits overflowed gives NaN confidences: D-cut reads them as 0 (and clamps the
+    rest to [0, 1]) instead of raising from the calibration's binning."""
+    policy = DCutPolicy(CostModel(target="t", hardware="h", tokens=[1, 8], contexts=[0, 100],
+                                  seconds=[[1.0, 1.0], [1.1, 1.1]]), track_pace=False)
+    weird = [1.0, float("nan"), float("inf"), -float("inf"), 1.5, -0.25]
+    assert policy.keep_drafting(weird, context=10) in (True, False)
+    assert policy.choose(weird, context=10) in (0, 1)  # everything after the NaN survives with 0
+    policy.observe(weird, accepted=1, draft_seconds=0.01, context=10)
+    calibrator = Calibrator()
+    assert calibrator(float("nan")) == 0.0 and calibrator(2.0) == 1.0 and calibrator(-1.0) == 0.0
+    with pytest.raises(ValueError, match="explore_every"):
+        DCutPolicy(CostModel(target="t", hardware="h", tokens=[1], contexts=[0], seconds=[[1.0]]), explore_every=0)

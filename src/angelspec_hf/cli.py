@@ -276,12 +276,15 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target, _ = load_target(args.target, args.dtype)
+    # With the kernels `bench` and the engine verify with, so that the profile is the one they look up
+    # (it is keyed by them) and prices their forwards, not the stock ones.
+    install_verification_kernels(target, args.stock_kernels)
     model = load_or_profile(target, target_display_name(args.target), refresh=True)
     for batch, grid in zip(model.batch_sizes, model.seconds):
         for tokens, row in zip(model.tokens, grid):
             print(f"batch {batch:2d}, {tokens:3d} new tokens: "
                   + "  ".join(f"ctx {c}: {s * 1000:7.1f} ms" for c, s in zip(model.contexts, row)))
-    print(f"profile written to {profile_path(model.target)}")
+    print(f"profile written to {profile_path(model.target, target.device)}")
     return 0
 
 
@@ -651,8 +654,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     profile = commands.add_parser("profile", help="measure the target's forward cost on this hardware for D-cut")
     profile.add_argument("--target", default="reference")
-    profile.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    profile.add_argument("--threads", type=int, default=0,
+                         help="torch threads (0: torch's default); profiles are kept per thread count (bench "
+                              "prices batch 1 at --threads, 1 by default, and the engine at torch's default)")
     profile.add_argument("--dtype", default="float32", choices=DTYPES)
+    profile.add_argument("--stock-kernels", action="store_true",
+                         help="profile the target's own kernels, as `bench --stock-kernels` runs it (default: "
+                              "packed linears in float32, exact verification in bfloat16, as bench and the engine)")
     profile.set_defaults(handler=run_profile)
 
     rollouts = commands.add_parser("rollouts", help="greedy target responses to the training split of prompt sets")

@@ -11,7 +11,9 @@ keyed by target and hardware; loading a profile made on other hardware warns.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
 import logging
 import platform
 import statistics
@@ -73,11 +75,15 @@ def cpu_isa() -> str:
     return "+".join([torch.backends.cpu.get_cpu_capability(), *units])
 
 
-def hardware_id() -> str:
-    """What a cost profile was measured on: the GPU's name, or the CPU's model, instruction set
-    and thread count."""
-    if torch.cuda.is_available():
-        return f"cuda:{torch.cuda.get_device_name()}"
+def hardware_id(device: torch.device | str | None = None) -> str:
+    """What a cost profile was measured on: the name of the GPU ``device`` is, or the CPU's model,
+    instruction set and thread count (``device`` None: the first GPU where there is one).
+
+    The target's device, not the machine's: a CPU target on a machine with a GPU was keyed by the
+    GPU, so its profile and the GPU target's shared one file, each loaded as the other's."""
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
     return f"cpu:{platform.machine()}:{cpu_model()}:{cpu_isa()}:threads={torch.get_num_threads()}"
 
 
@@ -107,6 +113,16 @@ class CostModel:
         if tuple(grid.shape) != expected:
             raise ValueError(f"cost profile grid has shape {tuple(grid.shape)}, expected {expected} "
                              "(batch sizes x tokens x contexts); re-run `angelspec-hf profile`.")
+        if not bool(torch.isfinite(grid).all()) or bool((grid <= 0).any()):
+            raise ValueError("cost profile holds seconds that are not finite and positive; re-run `angelspec-hf profile`.")
+        # Interpolation walks each axis in increasing order (and the monotone fit below relies on it).
+        for axis, name in enumerate(("batch_sizes", "tokens", "contexts")):
+            values = [int(v) for v in getattr(self, name)]
+            if len(set(values)) < len(values) or min(values) < 0:
+                raise ValueError(f"cost profile {name} must be distinct and not negative, got {values}.")
+            order = sorted(range(len(values)), key=values.__getitem__)
+            setattr(self, name, [values[i] for i in order])
+            grid = grid.index_select(axis, torch.tensor(order))
         # More rows or context never cost less, so those axes are made monotone against noise. New
         # tokens per row are not: a CPU's GEMM kernels for a few rows can be slower than for more
         # (measured on the reference target, an AMD CPU with MKL, 2 threads, context 64: 1 token
@@ -118,12 +134,23 @@ class CostModel:
 
     def verify_seconds(self, new_tokens: int, context: int, batch: int = 1) -> float:
         """Linear interpolation on every axis, clamped at the grid's edges, except that batches
-        beyond the largest profiled one scale linearly (a CPU is compute-bound there)."""
+        beyond the largest profiled one scale linearly (a CPU is compute-bound there) and new tokens
+        beyond the most profiled go on along the grid's last step (not flat: a drafter of 32
+        positions would have verified 32 tokens at the price of 16)."""
         largest = self.batch_sizes[-1]
         b0, b1, tb = _interpolate_1d(self.batch_sizes, min(batch, largest))
-        at = [_interpolate_2d(self.tokens, self.contexts, self.seconds[b], new_tokens, context) for b in (b0, b1)]
+        at = [self._batch_plane_seconds(b, new_tokens, context) for b in (b0, b1)]
         seconds = at[0] * (1 - tb) + at[1] * tb
         return seconds * batch / largest if batch > largest else seconds
+
+    def _batch_plane_seconds(self, b: int, new_tokens: float, context: float) -> float:
+        plane, most = self.seconds[b], self.tokens[-1]
+        seconds = _interpolate_2d(self.tokens, self.contexts, plane, min(new_tokens, most), context)
+        if new_tokens <= most or len(self.tokens) < 2:
+            return seconds
+        before = _interpolate_2d(self.tokens, self.contexts, plane, self.tokens[-2], context)
+        step = max(0.0, (seconds - before) / (most - self.tokens[-2]))
+        return seconds + step * (new_tokens - most)
 
     def slot_seconds(self, context: int) -> float:
         """The least one verified slot (a row's new token) costs at ``context`` anywhere on the
@@ -139,25 +166,45 @@ class CostModel:
                    for tokens, plane in zip(self.tokens, by_tokens))
 
     def save(self, path: str | Path) -> Path:
+        """Written whole or not at all (a temporary file renamed over the path): a run stopped while
+        saving, or two processes profiling at once, never leave half a profile."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(partial, path)
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
-        model = cls(**json.loads(Path(path).read_text()))
-        if model.hardware != hardware_id():
+    def load(cls, path: str | Path, device: torch.device | str | None = None) -> "CostModel":
+        """A saved profile; `ValueError` naming the file where it is not one (a warning where it was
+        measured on other hardware than ``device``'s, see `hardware_id`)."""
+        try:
+            fields = json.loads(Path(path).read_text())
+            model = cls(**fields)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError) as error:
+            raise ValueError(f"{path} is not a readable cost profile ({type(error).__name__}: {error}); delete it or "
+                             "re-run `angelspec-hf profile`.") from None
+        if model.hardware != hardware_id(device):
             logger.warning("Cost profile %s was measured on %s, this is %s: re-run `angelspec-hf profile`.",
-                           path, model.hardware, hardware_id())
+                           path, model.hardware, hardware_id(device))
         return model
 
 
-def profile_path(target_name: str) -> Path:
-    """Where `load_or_profile` keeps the profile of a target on this hardware."""
+# File names are kept under this many characters (most file systems allow 255 bytes).
+PROFILE_NAME_LIMIT = 200
+
+
+def profile_path(target_name: str, device: torch.device | str | None = None) -> Path:
+    """Where `load_or_profile` keeps the profile of a target on the hardware of ``device``.
+
+    A name too long for a file (a deep local checkpoint path) is cut and ends in a hash of the whole."""
     from ..reference import cache_home
 
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{target_name}--{hardware_id()}")
+    key = f"{target_name}--{hardware_id(device)}"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+    if len(safe) > PROFILE_NAME_LIMIT:
+        safe = f"{safe[:PROFILE_NAME_LIMIT - 17]}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
     return cache_home() / "profiles" / f"{safe}.json"
 
 
@@ -184,13 +231,21 @@ def load_or_profile(target, target_name: str, refresh: bool = False,
         target_name += "+exact"
     if is_packed(target):
         target_name += "+packed"
-    path = profile_path(target_name)
+    path = profile_path(target_name, target.device)
     if path.exists() and not refresh:
-        model = CostModel.load(path)
-        if set(batch_sizes) <= set(model.batch_sizes) and model.profile_format >= PROFILE_FORMAT:
-            return model
-        logger.info("The saved profile %s is in an older format (no batch axis, new tokens forced monotone, or "
-                    "repeats timed back to back) or lacks batch sizes %s: profiling again.", path, batch_sizes)
+        try:
+            model = CostModel.load(path, target.device)
+        except ValueError as error:
+            logger.warning("%s: profiling again.", error)
+        else:
+            if model.target != target_name:
+                # Names that differ only in characters a file name cannot hold ("org/m", "org_m") share a path.
+                logger.warning("The saved profile %s is %s's, not %s's: profiling again.", path, model.target, target_name)
+            elif set(batch_sizes) <= set(model.batch_sizes) and model.profile_format >= PROFILE_FORMAT:
+                return model
+            else:
+                logger.info("The saved profile %s is in an older format (no batch axis, new tokens forced monotone, "
+                            "or repeats timed back to back) or lacks batch sizes %s: profiling again.", path, batch_sizes)
     model = profile_target(target, target_name, batch_sizes=batch_sizes)
     model.save(path)
     logger.info("Saved the cost profile to %s", path)
@@ -274,7 +329,7 @@ def profile_target(target, name: str, tokens=(1, 2, 4, 8, 16), contexts=(64, 256
                         samples[b][i][j] += _timed(_verify_forward(target, cache, batch, count), repeats)
                         bar.update(1)
     grid = [[[statistics.median(point) for point in row] for row in table] for table in samples]
-    return CostModel(target=name, hardware=hardware_id(), tokens=list(tokens), contexts=list(contexts), seconds=grid,
+    return CostModel(target=name, hardware=hardware_id(target.device), tokens=list(tokens), contexts=list(contexts), seconds=grid,
                      batch_sizes=list(batch_sizes), profile_format=PROFILE_FORMAT)
 
 

@@ -52,13 +52,20 @@ class Calibrator:
         return min(int(confidence * self.bins), self.bins - 1)
 
     def __call__(self, confidence: float) -> float:
+        confidence = probability(confidence)
         b = self._bin(confidence)
         return (self.accepted[b] + self.prior_weight * confidence) / (self.seen[b] + self.prior_weight)
 
     def update(self, confidence: float, was_accepted: bool) -> None:
-        b = self._bin(confidence)
+        b = self._bin(probability(confidence))
         self.seen[b] += 1
         self.accepted[b] += float(was_accepted)
+
+
+def probability(confidence: float) -> float:
+    """A drafter's confidence as a probability: NaN (a drafter whose logits overflowed) counts as
+    0, anything else is clamped to [0, 1], so a bad value costs a short draft, not the call."""
+    return min(max(confidence, 0.0), 1.0) if confidence == confidence else 0.0
 
 
 def expected_tokens(survival: list[float], k: int) -> float:
@@ -222,6 +229,8 @@ class DraftGate:
             raise ValueError(f"probe_budget is a fraction of the time (0 < probe_budget <= 1), got {probe_budget}")
         if not 0 < close_below <= 1:
             raise ValueError(f"close_below is an efficiency (0 < close_below <= 1), got {close_below}")
+        if explore_every < 1:
+            raise ValueError(f"explore_every is the plain steps before a retry (at least 1), got {explore_every}")
         self.explore_every = explore_every
         self.close_below = close_below
         self.smoothing = smoothing
@@ -547,8 +556,11 @@ class BatchDCutPolicy(_PacedPolicy):
         return lambda width: self.cost_model.verify_seconds(width, context, batch)
 
     def first_window(self, batch: int, context: int) -> int:
-        """The widest verify window costing at most `FIRST_STEP_COST` plain steps at ``batch`` rows and
-        ``context``: what a drafter's first, unmeasured step may verify (see `should_draft`)."""
+        """The widest verify window up to which every window costs at most `FIRST_STEP_COST` plain steps
+        at ``batch`` rows and ``context``: what a drafter's first, unmeasured step may verify (see
+        `should_draft`). It stops at the first window priced above that, even where a wider one is
+        priced below it again (the profile is not monotone in new tokens): a first step is a guess, so
+        it is kept to the windows the profile prices cheap throughout."""
         verify = self.verify(batch, context)
         limit, width = FIRST_STEP_COST * verify(1), 1
         while width < FIRST_WINDOW_LIMIT and verify(width + 1) <= limit:
