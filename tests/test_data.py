@@ -286,3 +286,23 @@ def test_token_counts_count_the_trained_positions_of_every_row_and_refuse_ids_ou
     assert torch.equal(counts, expected)
     with pytest.raises(ValueError, match="outside the target's vocabulary of 9"):
         token_counts(rows, 9)
+
+
+def test_rollouts_read_as_a_datasets_dataset_with_a_loss_mask_over_the_responses(targets, tmp_path):
+    from datasets import load_from_disk
+
+    from angelspec_hf.training.data import rollouts_dataset
+
+    target, tokenizer = targets.target("llama"), tiny_tokenizer()
+    prompts = [" ".join(f"w{(11 * i + j) % 90 + 6}" for j in range(2 + i % 3)) for i in range(3)]
+    generate_rollouts(target, tokenizer, prompts, tmp_path / "rollouts" / "a.jsonl", max_new_tokens=7, domain="code")
+    records = [json.loads(line) for line in (tmp_path / "rollouts" / "a.jsonl").read_text().splitlines()]
+    dataset = rollouts_dataset([tmp_path / "rollouts"])
+    assert dataset.column_names == ["prompt", "domain", "input_ids", "loss_mask"] and len(dataset) == 3
+    for row, record in zip(dataset, records):
+        assert row["input_ids"] == record["prompt_ids"] + record["response_ids"] and row["domain"] == "code"
+        assert row["loss_mask"] == [0] * len(record["prompt_ids"]) + [1] * len(record["response_ids"])
+    dataset.save_to_disk(tmp_path / "saved")
+    assert load_from_disk(tmp_path / "saved")[:] == dataset[:]
+    with pytest.raises(FileNotFoundError, match="missing"):
+        rollouts_dataset([tmp_path / "missing"])

@@ -153,7 +153,7 @@ def rollout_sequences(files: list[Path], seq_len: int) -> list[dict]:
     return rows
 
 
-def record_row(record: dict, seq_len: int) -> dict:
+def record_row(record: dict, seq_len: int | None) -> dict:
     """A stored rollout/corpus record as a training row: prompt + response, loss from the response start."""
     return {"input_ids": (record["prompt_ids"] + record["response_ids"])[:seq_len], "loss_start": len(record["prompt_ids"]),
             "domain": record.get("domain", "")}
@@ -225,4 +225,34 @@ MIN_TRAINED_TOKENS = 32
 
 
 def sequences_dataset(rows: list[dict]) -> Dataset:
+    return Dataset.from_list(rows)
+
+
+def jsonl_files(paths: list[str | Path]) -> list[Path]:
+    """The JSONL files named, and those inside the directories named, in a stable order."""
+    files = []
+    for name in paths:
+        path = Path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"{name}: no such file or directory")
+        files += sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    return files
+
+
+def rollouts_dataset(paths: list[str | Path]) -> Dataset:
+    """Rollout (or corpus) files as a `datasets.Dataset`: per row the prompt, its domain, the token ids
+    (prompt then response) and a loss mask over the response tokens, uncut; ``save_to_disk`` keeps it.
+
+    Why the files are JSONL rather than a saved Dataset: `generate_rollouts` appends each row as its
+    request finishes, so an interrupted run keeps every finished row and resumes without duplicates,
+    and the token ids accumulate in git from run to run as plain, diffable lines; an Arrow dataset
+    is rewritten whole. ``paths``: files, or directories of ``*.jsonl`` files.
+    """
+    rows = []
+    for file in jsonl_files(paths):
+        for record in read_records(file):
+            row = record_row(record, seq_len=None)
+            trained = len(row["input_ids"]) - row["loss_start"]
+            rows.append({"prompt": record.get("prompt", ""), "domain": row["domain"], "input_ids": row["input_ids"],
+                         "loss_mask": [0] * row["loss_start"] + [1] * trained})
     return Dataset.from_list(rows)
