@@ -46,7 +46,7 @@ def plain(target, prompt, **kwargs):
 def test_every_row_equals_its_plain_generate(setup, name, max_batch_size):
     target, drafters, prompts = setup
     engine = SpeculativeEngine(target, drafters.get(name), max_batch_size=max_batch_size)
-    outputs = engine.generate(prompts, max_new_tokens=25)
+    outputs = engine.generate(prompts, max_new_tokens=25, eos_token_id=[])
     for prompt, output in zip(prompts, outputs):
         assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
     # Dead columns (rows that left, drafts everyone rejected) are dropped: the cache never holds
@@ -142,7 +142,7 @@ def test_sliding_window_targets_keep_every_row_plain(sliding_setup, drafted):
     columns is not a window over positions: the engine masks by each row's own positions."""
     target, drafter, prompts = sliding_setup
     engine = SpeculativeEngine(target, drafter if drafted else None, max_batch_size=3)
-    outputs = engine.generate(prompts, max_new_tokens=25)
+    outputs = engine.generate(prompts, max_new_tokens=25, eos_token_id=[])
     for prompt, output in zip(prompts, outputs):
         assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
     if drafted:
@@ -302,10 +302,11 @@ def test_greedy_and_sampled_requests_share_a_batch(name):
     engine = SpeculativeEngine(target, drafter, max_batch_size=16)
     sampled, greedy = [], {}
     for i in range(SAMPLES):
-        sampled.append(engine.submit(SAMPLING_PROMPT[0].tolist(), max_new_tokens=NEW_TOKENS, do_sample=True, **settings))
+        sampled.append(engine.submit(SAMPLING_PROMPT[0].tolist(), max_new_tokens=NEW_TOKENS, do_sample=True,
+                                     eos_token_id=[], **settings))
         if i % 100 == 0:
             prompt = greedy_prompts[(i // 100) % 3]
-            greedy[engine.submit(prompt, max_new_tokens=NEW_TOKENS + 6)] = prompt
+            greedy[engine.submit(prompt, max_new_tokens=NEW_TOKENS + 6, eos_token_id=[])] = prompt
     outputs: dict[int, list[int]] = {}
     while engine.has_work:
         for event in engine.step():
@@ -336,7 +337,7 @@ def test_batch_dcut_cuts_and_every_row_equals_its_plain_generate(setup, name):
     target, drafters, prompts = setup
     policy = cutting_policy()
     engine = SpeculativeEngine(target, drafters[name], max_batch_size=4, policy=policy)
-    outputs = engine.generate(prompts, max_new_tokens=25)
+    outputs = engine.generate(prompts, max_new_tokens=25, eos_token_id=[])
     for prompt, output in zip(prompts, outputs):
         assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
     longest = drafters[name].max_draft_tokens + 1
@@ -351,7 +352,7 @@ def test_bfloat16_drafters_beside_a_float32_target_keep_every_row_plain(setup, n
     target, drafters, prompts = setup
     drafter = copy.deepcopy(drafters[name]).to(torch.bfloat16).eval()
     engine = SpeculativeEngine(target, drafter, max_batch_size=4, policy=cutting_policy())
-    outputs = engine.generate(prompts, max_new_tokens=25)
+    outputs = engine.generate(prompts, max_new_tokens=25, eos_token_id=[])
     for prompt, output in zip(prompts, outputs):
         assert output == plain(target, prompt, max_new_tokens=25, eos_token_id=None)
     accepted = [a for entry in engine.stats for a in entry["accepted"]]
@@ -476,7 +477,7 @@ def test_engine_sampling_matches_plain_sampling(name, settings):
     policy = cutting_policy(explore_every=3, slot_cost=0.01, forward_seconds=10.0) if name.endswith("batch-dcut") else None
     engine = SpeculativeEngine(target, drafter, max_batch_size=16, policy=policy)
     outputs = engine.generate([SAMPLING_PROMPT[0].tolist()] * SAMPLES, max_new_tokens=NEW_TOKENS, do_sample=True,
-                              **settings)
+                              eos_token_id=[], **settings)
     samples = torch.tensor([out[SAMPLING_PROMPT.shape[1]:] for out in outputs])
     accepted = sum(sum(entry["accepted"]) for entry in engine.stats)
     assert accepted > SAMPLES // 4

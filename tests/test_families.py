@@ -103,5 +103,5 @@ def test_gemma4_gets_drafters_that_decode_exactly_in_generate_and_the_engine(kin
         out = target.generate(torch.tensor([prompt]), assistant_model=drafter.eval(), do_sample=False,
                               max_new_tokens=24, eos_token_id=None)
         assert out[0].tolist() == reference
-    assert SpeculativeEngine(target, drafter, max_batch_size=2).generate(prompts, max_new_tokens=24) == expected
-    assert SpeculativeEngine(target, None, max_batch_size=2).generate(prompts, max_new_tokens=24) == expected
+    assert SpeculativeEngine(target, drafter, max_batch_size=2).generate(prompts, max_new_tokens=24, eos_token_id=[]) == expected
+    assert SpeculativeEngine(target, None, max_batch_size=2).generate(prompts, max_new_tokens=24, eos_token_id=[]) == expected

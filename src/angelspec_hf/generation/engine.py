@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -257,8 +258,45 @@ class EngineEvent:
     error: EngineRequestError | None = None
 
 
-def _eos_set(eos_token_id: int | list[int] | None) -> frozenset:
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+def _window_positions(row: "_Row", width: int, device) -> torch.Tensor:
+    """Positions of a row's ``width`` verify slots: its own from the pending token on, but none past
+    the slot of the last token the row may still keep. The slots beyond (padding beside longer
+    windows, drafts past the row's budget) give results that are dropped, yet their positions are
+    read: GPT-2's learned positions raised IndexError past the target's limit, killing the batch,
+    and dynamic RoPE rescales every row's frequencies from the largest position in the forward,
+    which changed other rows' tokens."""
+    first = len(row.tokens) - 1
+    return (first + torch.arange(width, device=device)).clamp_(max=first + max(row.tokens_left - 1, 0))
+
+
+def _token_ids(value, what: str) -> list[int]:
+    """``value`` (an int, a sequence of ints, a numpy array or a tensor of at most one dimension) as
+    token ids; `EngineRequestError` naming ``what`` for anything else (nested lists, strings, floats:
+    a float id was silently truncated before)."""
+    try:
+        ids = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+        raise EngineRequestError(f"{what} must be token ids (ints), one sequence; could not read {value!r:.80} "
+                                 f"({error}).") from None
+    integral = ids.numel() == 0 or not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+    if ids.dim() > 1 or not integral:
+        raise EngineRequestError(f"{what} must be token ids (ints), one sequence; got {ids.dim()} dimensions of "
+                                 f"{ids.dtype}. Fix: pass one list of ints per request.")
+    return [int(i) for i in ids.flatten().tolist()]
+
+
+def _eos_set(eos_token_id) -> frozenset:
+    """End-of-sequence ids from an int, a list, a numpy integer or a 0-d/1-d tensor, as ``generate`` takes
+    them (a tensor's ids were never matched before: a frozenset of tensors)."""
+    return frozenset(_token_ids(eos_token_id, "eos_token_id")) if eos_token_id is not None else frozenset()
+
+
+def _max_new_tokens(value) -> int:
+    """``max_new_tokens`` as an int of at least 1, else `EngineRequestError` (0 or a negative count
+    still emitted one token, and a float one broke the slicing of the whole batch's step)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise EngineRequestError(f"max_new_tokens must be an integer of at least 1, got {value!r}.")
+    return int(value)
 
 
 def _pad_left(tensor: torch.Tensor, length: int, dim: int, value=0) -> torch.Tensor:
@@ -334,7 +372,10 @@ class SpeculativeEngine:
             drafters = {"drafter": drafter}
         for model in drafters.values():
             model.check_target(target)
-        self.target, self.drafters, self.max_batch_size = target.eval(), drafters, max_batch_size
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size is the most requests decoded at once (an integer of at least 1), "
+                             f"got {max_batch_size!r}.")
+        self.target, self.drafters, self.max_batch_size = target.eval(), drafters, int(max_batch_size)
         self.route = isinstance(drafter, dict)
         if probe_rounds < 1:
             raise ValueError(f"probe_rounds must be at least 1, got {probe_rounds}.")
@@ -390,17 +431,24 @@ class SpeculativeEngine:
         """Queue one request; its id, which `step`'s events carry. It joins the batch at the next
         step with a free slot, so requests can arrive while others are being decoded (continuous
         batching). Decoding settings are the request's own: greedy and sampled requests, with
-        different temperatures, share a batch. Raises `EngineRequestError` for a prompt that cannot
-        be served (empty, ids outside the vocabulary, too long for the target) and ``ValueError``
-        for a bad setting; the requests already queued are not affected.
+        different temperatures, share a batch. ``eos_token_id`` None stops at the target's own
+        (``generation_config.eos_token_id``), as ``target.generate`` does; ``[]`` decodes
+        ``max_new_tokens`` whatever comes. Raises `EngineRequestError` for a prompt that cannot be
+        served (not one sequence of int ids, empty, ids outside the vocabulary, too long for the
+        target) or a bad ``max_new_tokens`` / ``eos_token_id``, and ``ValueError`` for a bad
+        sampling setting; the requests already queued are not affected.
         """
         processors = self._processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
         request = self._new_id()
+        prompt, max_new_tokens = _token_ids(prompt, "A prompt"), _max_new_tokens(max_new_tokens)
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
+        eos = _eos_set(eos_token_id)
         error = self._validate(prompt, max_new_tokens)
         if error is not None:
             raise error
-        self._waiting.append(_Row(request, list(map(int, prompt)), len(prompt), max_new_tokens, domain,
-                                  eos=_eos_set(eos_token_id), do_sample=do_sample, processors=processors))
+        self._waiting.append(_Row(request, prompt, len(prompt), max_new_tokens, domain,
+                                  eos=eos, do_sample=do_sample, processors=processors))
         return request
 
     @torch.no_grad()
@@ -458,20 +506,40 @@ class SpeculativeEngine:
         if self.has_work:
             raise RuntimeError("stream/generate start a new session, but submitted requests are still "
                                "being served: drain them with step() first.")
+        prompts = list(prompts)
         if domains is not None and len(domains) != len(prompts):
             raise ValueError(f"domains names {len(domains)} requests for {len(prompts)} prompts.")
+        self._check_capture_layers(capture_layers)
         self._start_session(capture_layers)
         settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=do_sample,
                         temperature=temperature, top_k=top_k, top_p=top_p)
         errors = []
-        for index, prompt in enumerate(prompts):
-            try:
-                self.submit(prompt, domain=domains[index] if domains is not None else None, **settings)
-            except EngineRequestError as error:
-                errors.append(EngineEvent(index, [], True, error))
-        yield from errors
-        while self.has_work:
-            yield from self.step()
+        try:
+            for index, prompt in enumerate(prompts):
+                try:
+                    self.submit(prompt, domain=domains[index] if domains is not None else None, **settings)
+                except EngineRequestError as error:
+                    errors.append(EngineEvent(index, [], True, error))
+            yield from errors
+            while self.has_work:
+                yield from self.step()
+        finally:
+            # A caller that stops iterating (or an error) leaves no requests behind to block the next session.
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Drop every waiting and active request (their outputs so far stay in the events already
+        yielded), leaving the engine idle for a new session."""
+        self._waiting, self._rows, self._vacant = [], [], []
+        self._cache, self._valid = None, None
+
+    def _check_capture_layers(self, capture_layers: list[int] | None) -> None:
+        layers = self.target.config.get_text_config().num_hidden_layers
+        bad = [i for i in capture_layers or [] if isinstance(i, bool) or not isinstance(i, numbers.Integral)
+               or not 0 <= i < layers]
+        if bad:
+            raise ValueError(f"capture_layers are decoder-layer indices 0..{layers - 1} (the drafters' "
+                             f"target_layer_ids convention), got {bad}.")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
@@ -479,6 +547,7 @@ class SpeculativeEngine:
                  top_p: float | None = None, domains: list[str | None] | None = None,
                  capture_layers: list[int] | None = None) -> list[list[int] | EngineRequestError]:
         """Continue every prompt (greedy, or sampled); a request that cannot be served gets its error instead.
+        Stops each at ``eos_token_id`` (None: the target's own, as ``target.generate``; ``[]``: none).
 
         ``domains`` names, per request, the drafter to use (with a ``{name: drafter}`` engine);
         requests without a known one are routed online. ``capture_layers`` (decoder-layer indices,
@@ -489,7 +558,13 @@ class SpeculativeEngine:
         without a second pass over the text. A finished row stays for one more forward so its last
         token's states are computed as well.
         """
-        results: list = [list(map(int, prompt)) for prompt in prompts]
+        prompts = list(prompts)
+        results: list = []
+        for prompt in prompts:
+            try:
+                results.append(_token_ids(prompt, "A prompt"))
+            except EngineRequestError:
+                results.append([])  # its error event replaces it
         for event in self.stream(prompts, max_new_tokens, eos_token_id, do_sample, temperature, top_k, top_p,
                                  domains, capture_layers):
             if event.error is not None:
@@ -1294,7 +1369,7 @@ class SpeculativeEngine:
             window = [row.tokens[-1]] + draft
             ids[i, : len(window)] = torch.tensor(window, device=device)
             window_valid[i, : len(window)] = active[i] or flushing[i]
-            positions[i] = len(row.tokens) - 1 + torch.arange(width, device=device)
+            positions[i] = _window_positions(row, width, device)
         start = time.perf_counter()
         out = self._forward(ids, valid, window_valid, positions, cache)
         wait_for_device(device)
