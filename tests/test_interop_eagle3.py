@@ -135,3 +135,16 @@ def test_foreign_tensors_and_embeddings(targets, eagle_drafters, tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(DrafterCheckpointError, match="not an EAGLE-3 checkpoint"):
         load_eagle3(tmp_path, target=target)
+
+
+def test_a_file_recording_another_target_is_refused_when_loaded_with_one(tmp_path):
+    """Our exports record the target's embedding fingerprint; loading with ``target=`` binds the drafter
+    to that target, so a file trained for another one passed every later check (convert --target)."""
+    from angelspec_hf.errors import DrafterTargetMismatchError
+    from angelspec_hf.reference import tiny_target
+
+    trained_for, other = (tiny_target("llama", num_hidden_layers=8, seed=seed) for seed in (0, 1))
+    export_eagle3(MTPDrafter.from_target(trained_for, draft_vocab_size=48), tmp_path)
+    with pytest.raises(DrafterTargetMismatchError, match="tiny-llama-seed0.*not for 'tiny-llama-seed1'"):
+        load_eagle3(tmp_path, target=other)
+    assert load_eagle3(tmp_path, target=trained_for).config.target_name_or_path == "tiny-llama-seed0"

@@ -8,8 +8,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import DrafterCheckpointError, DrafterConfigError
-from ..modeling_angelspec_common import target_config_fields
+from ..errors import DrafterCheckpointError, DrafterConfigError, DrafterTargetMismatchError
+from ..modeling_angelspec_common import (
+    FINGERPRINT_MIN_COSINE,
+    embedding_fingerprint,
+    fingerprint_similarity,
+    target_config_fields,
+    target_name,
+)
 
 
 def write_checkpoint(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
@@ -77,5 +83,21 @@ def one_layer_fields(raw: dict, format_name: str, target=None, num_target_layers
         )
     shape = layer_fields({**raw, "num_hidden_layers": 1})
     if target is not None:
-        del shape["target_name_or_path"], shape["target_embedding_fingerprint"]
+        recorded = {key: shape.pop(key) for key in ("target_name_or_path", "target_embedding_fingerprint")}
+        check_recorded_target(recorded, target, format_name)
     return {**fields, **shape, "num_target_layers": int(layers)}
+
+
+def check_recorded_target(recorded: dict, target, format_name: str) -> None:
+    """Refuse ``target`` where the file records (our exports do) the embeddings of another one: given a
+    target, the loaded drafter is bound to it, so a file trained for another would pass every later check."""
+    fingerprint = recorded.get("target_embedding_fingerprint")
+    if not fingerprint:
+        return
+    similarity = fingerprint_similarity(fingerprint, embedding_fingerprint(target.get_input_embeddings().weight))
+    if similarity < FINGERPRINT_MIN_COSINE:
+        raise DrafterTargetMismatchError(
+            f"This {format_name} checkpoint records that it was trained for {recorded.get('target_name_or_path')!r}, "
+            f"not for {target_name(target) or type(target).__name__!r}: other token embeddings (fingerprint "
+            f"similarity {similarity:.3f} < {FINGERPRINT_MIN_COSINE}). Fix: load it with the target it was trained for."
+        )
