@@ -10,6 +10,7 @@ from transformers import AutoModel, DynamicCache, StaticCache
 from angelspec_hf import DFlyDrafter, MTPDrafter
 from angelspec_hf.errors import (
     BatchSizeNotSupportedError,
+    DrafterConfigError,
     DrafterCheckpointError,
     DrafterTargetMismatchError,
     UnsupportedCacheError,
@@ -114,6 +115,30 @@ def test_corrupt_config(saved_drafter):
     config["conditioning"] = "sideways"
     (saved_drafter / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="conditioning must be one of"):
+        AutoModel.from_pretrained(saved_drafter)
+
+
+@pytest.mark.parametrize("field", ["mask_token_id", "block_size", "target_layer_ids", "target_embedding_fingerprint",
+                                   "vocab_size"])
+def test_a_config_missing_what_a_saved_drafter_records_is_refused(saved_drafter, field):
+    """Missing, these took class defaults: another network (mask 0, block 8, default layers, a vocabulary
+    of 32000) or, without the fingerprint, no wrong-target check at all."""
+    config = json.loads((saved_drafter / "config.json").read_text())
+    del config[field]
+    (saved_drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterCheckpointError, match=rf"lacks \['{field}'\].*re-save"):
+        AutoModel.from_pretrained(saved_drafter)
+
+
+@pytest.mark.parametrize("field, value", [("rms_norm_eps", "1e-5"), ("rms_norm_eps", None), ("rms_norm_eps", -1.0),
+                                          ("rope_theta", 0.0), ("rope_theta", "10000"),
+                                          ("correction_intermediate_size", "64"), ("target_embedding_fingerprint", "x")])
+def test_config_values_of_the_wrong_type_or_range_are_named(saved_drafter, field, value):
+    """They loaded and failed in generate with a bare TypeError, or drafted garbage (a negative epsilon)."""
+    config = json.loads((saved_drafter / "config.json").read_text())
+    config[field] = value
+    (saved_drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterConfigError, match=field):
         AutoModel.from_pretrained(saved_drafter)
 
 

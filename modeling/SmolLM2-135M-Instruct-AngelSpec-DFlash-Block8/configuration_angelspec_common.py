@@ -4,9 +4,11 @@ A drafter borrows its target's embeddings and ``lm_head``, so its config records
 target (sizes, layer count, embedding fingerprint) to refuse the wrong one with a clear error.
 """
 
+import math
+
 from transformers import PretrainedConfig
 
-from .errors import DrafterConfigError
+from .errors import DrafterCheckpointError, DrafterConfigError
 
 
 class AngelSpecDrafterConfig(PretrainedConfig):
@@ -40,11 +42,33 @@ class AngelSpecDrafterConfig(PretrainedConfig):
     tie_word_embeddings: bool = False
     draft_vocab_size: int | None = None
 
+    # Fields a saved drafter's config.json must hold: its shape and the target binding. Missing, they
+    # took class defaults (a vocabulary of 32000, default layers, no fingerprint: the wrong-target
+    # check off) and the drafter loaded as another network. Fields added after drafters were shipped
+    # keep their defaults for old files.
+    checkpoint_fields: tuple[str, ...] = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "num_target_layers", "target_layer_ids", "target_embedding_fingerprint",
+    )
+
     def __post_init__(self, **kwargs):
         if self.target_layer_ids is None:
             self.target_layer_ids = self.default_target_layer_ids(self.num_target_layers)
         self._validate_common()
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """A config as read from a checkpoint (``from_pretrained``, ``AutoConfig``): every field of
+        `checkpoint_fields` must be there, or `DrafterCheckpointError` names the missing ones."""
+        missing = [name for name in cls.checkpoint_fields if name not in config_dict]
+        if missing:
+            raise DrafterCheckpointError(
+                f"This {cls.__name__} config lacks {missing}, which a saved drafter records (its shape and the "
+                "target it was built for). Fix: re-save the drafter with save_pretrained(), or re-download its "
+                "config.json if it was cut or edited."
+            )
+        return super().from_dict(config_dict, **kwargs)
 
     @staticmethod
     def default_target_layer_ids(num_target_layers: int) -> list[int]:
@@ -69,6 +93,15 @@ class AngelSpecDrafterConfig(PretrainedConfig):
                 f"draft_vocab_size must be between 1 and the target vocabulary ({self.vocab_size}), "
                 f"got {self.draft_vocab_size!r}; use None for the full vocabulary."
             )
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise DrafterConfigError(f"{type(self).__name__}.{name} must be a positive number, got {value!r}.")
+        fingerprint = self.target_embedding_fingerprint
+        if fingerprint is not None and not (isinstance(fingerprint, (list, tuple)) and fingerprint and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint)):
+            raise DrafterConfigError("target_embedding_fingerprint must be a list of numbers (see embedding_fingerprint) "
+                                     f"or None, got {fingerprint!r:.80}.")
         if not self.target_layer_ids:
             raise DrafterConfigError("target_layer_ids is empty: list the target decoder layers the drafter reads.")
         bad = [i for i in self.target_layer_ids if not isinstance(i, int) or not 0 <= i < self.num_target_layers]

@@ -35,6 +35,9 @@ class DFlyDrafterConfig(AngelSpecDrafterConfig):
     correction_embed_norm: bool = False
     mask_token_id: int = 0
 
+    checkpoint_fields = (*AngelSpecDrafterConfig.checkpoint_fields, "block_size", "mask_token_id", "conditioning",
+                         "hidden_correction")
+
     def __post_init__(self, **kwargs):
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise DrafterConfigError(f"block_size must be an integer >= 2 (anchor + masks), got {self.block_size!r}.")
@@ -49,6 +52,10 @@ class DFlyDrafterConfig(AngelSpecDrafterConfig):
             )
         if self.correction_intermediate_size is None:
             self.correction_intermediate_size = self.hidden_size
+        size = self.correction_intermediate_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise DrafterConfigError(f"correction_intermediate_size must be a positive integer (or None: the hidden "
+                                     f"size), got {size!r}.")
         super().__post_init__(**kwargs)
 
     @staticmethod
