@@ -32,6 +32,9 @@ class FakeHubApi:
                 self.files[op.path_in_repo] = handle.read()
         return SimpleNamespace(commit_url=f"https://hub.invalid/{repo_id}/commit/1")
 
+    def create_branch(self, repo_id, branch, **kwargs):
+        self.calls.append(("create_branch", repo_id, {"branch": branch, **kwargs}))
+
     def list_models(self, filter=None, limit=None, cardData=False):
         self.calls.append(("list_models", filter, {"cardData": cardData}))
         return iter(self.models)
@@ -68,6 +71,28 @@ def test_push_uploads_weights_config_code_and_card(targets):
             "configuration_angelspec_mtp.py", "errors.py", "README.md"} <= set(api.files)
     meta = front_matter(api.files["README.md"].decode())
     assert meta["tags"] == ["speculative-decoding", "angelspec", "mtp"]
+
+
+def test_push_takes_push_to_hubs_keywords(targets, tmp_path):
+    """revision, commit_description and tags reach the upload (revision was dropped: the drafter went to
+    main); an unknown keyword is a TypeError, not silently ignored; a foreign-format export is refused
+    by name (it crashed writing the card)."""
+    api = FakeHubApi()
+    drafter = MTPDrafter.from_target(targets.target("llama"))
+    drafter.push_to_hub("org/tiny-mtp", api=api, revision="v2", commit_description="why", tags=["chat", "mtp"])
+    assert [call[0] for call in api.calls] == ["create_repo", "create_branch", "create_commit"]
+    assert api.calls[1][2]["branch"] == "v2"
+    assert api.calls[2][2]["revision"] == "v2" and api.calls[2][2]["commit_description"] == "why"
+    assert front_matter(api.files["README.md"].decode())["tags"] == ["speculative-decoding", "angelspec", "mtp", "chat"]
+    with pytest.raises(TypeError, match="revison"):
+        drafter.push_to_hub("org/tiny-mtp", api=api, revison="v2")
+    from angelspec_hf.hub import push_drafter
+    from angelspec_hf.interop import export_eagle3
+    from angelspec_hf.reference import tiny_target
+
+    export_eagle3(MTPDrafter.from_target(tiny_target("llama", num_hidden_layers=8), draft_vocab_size=48), tmp_path / "eagle3")
+    with pytest.raises(ValueError, match="not an angelspec-hf drafter.*convert --to angelspec-hf"):
+        push_drafter(tmp_path / "eagle3", "org/theirs", api=api)
 
 
 def test_a_user_written_card_is_kept(targets, tmp_path):

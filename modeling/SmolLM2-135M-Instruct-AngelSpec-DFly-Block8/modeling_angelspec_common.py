@@ -1273,8 +1273,8 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
             from angelspec_hf.hub import push_drafter
         except ImportError:
             return super().push_to_hub(repo_id, private=private, create_pr=create_pr, **kwargs)
-        return push_drafter(self, repo_id, private=private, create_pr=create_pr, api=kwargs.pop("api", None),
-                            token=kwargs.pop("token", None), commit_message=kwargs.pop("commit_message", "Upload AngelSpec drafter"))
+        # Every keyword reaches the upload (revision, commit_description, tags, ...); an unknown one is a TypeError.
+        return push_drafter(self, repo_id, private=private, create_pr=create_pr, **kwargs)
 
     # -- binding -------------------------------------------------------------------------
 

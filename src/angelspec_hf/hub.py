@@ -33,7 +33,8 @@ def _yaml_list(values: list[str]) -> str:
     return "\n".join(f"- {value}" for value in values)
 
 
-def model_card(config, results: dict[str, dict] | None = None, recipe: dict | None = None, repo_id: str | None = None) -> str:
+def model_card(config, results: dict[str, dict] | None = None, recipe: dict | None = None, repo_id: str | None = None,
+               tags: list[str] | None = None) -> str:
     """Markdown model card with YAML front matter for a drafter config.
 
     ``results`` maps a domain to measured numbers (``tau``, optional ``speedup``, ``lossless``,
@@ -41,7 +42,7 @@ def model_card(config, results: dict[str, dict] | None = None, recipe: dict | No
     `find_drafters` can rank drafters without downloading them.
     """
     base = config.target_name_or_path or "unknown"
-    tags = drafter_tags(config)
+    tags = list(dict.fromkeys([*drafter_tags(config), *(tags or [])]))
     front = ["---", f"base_model: {base}", "library_name: transformers", "tags:", _yaml_list(tags)]
     if results:
         front.append("angelspec_results:")
@@ -106,7 +107,7 @@ def _measurement_setup(numbers: dict) -> str:
 
 
 def write_model_card(directory: str | Path, config=None, results: dict | None = None, recipe: dict | None = None,
-                     repo_id: str | None = None) -> bool:
+                     repo_id: str | None = None, tags: list[str] | None = None) -> bool:
     """Write README.md into a saved drafter directory unless the user wrote their own; True if written.
 
     Missing arguments are read from the directory (config.json, angelspec_results.json,
@@ -123,7 +124,7 @@ def write_model_card(directory: str | Path, config=None, results: dict | None = 
         config = AutoConfig.from_pretrained(directory)
     results = results if results is not None else _read_json(directory / RESULTS_FILE)
     recipe = recipe if recipe is not None else _read_json(directory / "training_recipe.json")
-    card.write_text(model_card(config, results, recipe, repo_id))
+    card.write_text(model_card(config, results, recipe, repo_id, tags))
     return True
 
 
@@ -137,28 +138,52 @@ def _default_api():
     return HfApi()
 
 
+DRAFTER_MODEL_TYPES = ("angelspec_mtp", "angelspec_dfly")
+
+
 def push_drafter(drafter_or_dir, repo_id: str, private: bool | None = None, create_pr: bool = False,
-                 commit_message: str = "Upload AngelSpec drafter", api=None, token: str | None = None):
-    """Upload weights, config, remote code and a model card in one commit; returns the commit info."""
+                 commit_message: str | None = None, api=None, token: str | bool | None = None,
+                 revision: str | None = None, commit_description: str | None = None, tags: list[str] | None = None,
+                 max_shard_size: int | str | None = None):
+    """Upload weights, config, remote code and a model card in one commit; returns the commit info.
+
+    The keywords are ``PreTrainedModel.push_to_hub``'s: ``revision`` (a branch, created if missing),
+    ``commit_description``, ``tags`` (added to the card's), ``max_shard_size`` (for a drafter object).
+    """
     api = api or _default_api()
     with tempfile.TemporaryDirectory() as scratch:
+        local = Path(scratch) / "upload"
         if isinstance(drafter_or_dir, (str, Path)):
             folder = Path(drafter_or_dir)
-            if not (folder / "config.json").exists():
-                raise FileNotFoundError(f"{folder} is not a saved drafter (no config.json). Fix: drafter.save_pretrained(dir) first.")
-            local = Path(scratch) / "upload"
+            check_drafter_directory(folder)
             shutil.copytree(folder, local, ignore=shutil.ignore_patterns("checkpoints-*", "*.pt", "*.bin"))
         else:
-            local = Path(scratch) / "upload"
-            drafter_or_dir.save_pretrained(local)
-        write_model_card(local, repo_id=repo_id)
+            drafter_or_dir.save_pretrained(local, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        write_model_card(local, repo_id=repo_id, tags=tags)
         api.create_repo(repo_id=repo_id, private=private, exist_ok=True, token=token)
+        if revision is not None and not revision.startswith("refs/pr"):
+            api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True, token=token)
         from huggingface_hub import CommitOperationAdd
 
         operations = [CommitOperationAdd(path_in_repo=str(path.relative_to(local)), path_or_fileobj=str(path))
                       for path in sorted(local.rglob("*")) if path.is_file()]
-        return api.create_commit(repo_id=repo_id, operations=operations, commit_message=commit_message,
-                                 create_pr=create_pr, token=token)
+        return api.create_commit(repo_id=repo_id, operations=operations,
+                                 commit_message=commit_message or "Upload AngelSpec drafter",
+                                 commit_description=commit_description, create_pr=create_pr, token=token,
+                                 revision=revision)
+
+
+def check_drafter_directory(folder: Path) -> None:
+    """Refuse to push a directory that is not an angelspec-hf drafter (its card could not be written)."""
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"{folder} is not a saved drafter (no config.json). Fix: drafter.save_pretrained(dir) first.")
+    model_type = _read_json(folder / "config.json").get("model_type")
+    if model_type not in DRAFTER_MODEL_TYPES:
+        raise ValueError(
+            f"{folder} holds a {model_type!r} model, not an angelspec-hf drafter ({', '.join(DRAFTER_MODEL_TYPES)}); "
+            "a foreign-format export is pushed as it is (huggingface_hub.upload_folder), or converted back with "
+            "`angelspec-hf convert --to angelspec-hf` first."
+        )
 
 
 def _card_data(model) -> dict:
