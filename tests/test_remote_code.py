@@ -55,3 +55,45 @@ def test_remote_code_load_and_generate_in_a_fresh_process(targets, tmp_path, kin
     assert report["accepted"] > 0, "the remote-code drafter must actually be used by generate"
     assert report["class_module"].startswith("transformers_modules")
     assert not report["imported_angelspec_hf"]
+
+
+TWO_COPIES = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    target_dir, drafter_dir = sys.argv[1], sys.argv[2]
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    prompt = torch.tensor([[5, 9, 11, 4, 7, 3, 8, 21, 40, 12]])
+
+    def alternatives(drafter):
+        made = []
+        original = drafter.get_candidate_generator
+        drafter.get_candidate_generator = lambda *a, **k: made.append(original(*a, **k)) or made[-1]
+        target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False, eos_token_id=None)
+        return made[-1].alternatives
+
+    remote = alternatives(AutoModel.from_pretrained(drafter_dir, trust_remote_code=True).eval())
+    import angelspec_hf  # the package's copy of the module, after the remote code installed the integration
+    package = alternatives(AutoModel.from_pretrained(drafter_dir).eval())
+    print(json.dumps({"remote": remote, "package": package}))
+    """
+)
+
+
+def test_package_drafters_keep_their_alternatives_beside_remote_code_loaded_first(tmp_path):
+    """The generate integration is installed by the first copy of the module a process loads; it knew
+    generators by its own class, so the package's drafters lost their first-token alternatives (same
+    text, fewer tokens a target forward) once a drafter had been loaded as remote code."""
+    from angelspec_hf import MTPDrafter
+    from angelspec_hf.reference import tiny_target
+
+    target = tiny_target("llama", num_hidden_layers=8, seed=0)
+    target.save_pretrained(tmp_path / "target")
+    MTPDrafter.from_target(target).save_pretrained(tmp_path / "drafter")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", TWO_COPIES, str(tmp_path / "target"), str(tmp_path / "drafter")],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"remote": 2, "package": 2}

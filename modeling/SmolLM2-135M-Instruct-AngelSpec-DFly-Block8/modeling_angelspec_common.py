@@ -692,6 +692,9 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
     """
 
     requires_model_outputs = True
+    # Recognised by this flag, not by class: a process may hold two copies of this module (a drafter's
+    # Hub remote code and the installed package), and the generate integration is the first one's.
+    angelspec_candidate_generator = True
 
     def __init__(self, drafter: "AngelSpecPreTrainedModel", target: PreTrainedModel, generation_config, logits_processor):
         self.drafter = drafter
@@ -1413,7 +1416,7 @@ def install_generate_integration() -> None:
             model_kwargs=kwargs.get("model_kwargs"),
         )
         alternatives_for = getattr(assistant, "alternatives_for", None)
-        if isinstance(generator, AngelSpecCandidateGenerator) and alternatives_for is not None:
+        if getattr(generator, "angelspec_candidate_generator", False) and alternatives_for is not None:
             generator.alternatives = alternatives_for(generator, self, generation_config)
             generator.alternatives_width = int(getattr(assistant, "alternatives_verify_width", 0) or 0)
             if generator.alternatives:
