@@ -142,6 +142,29 @@ def test_config_values_of_the_wrong_type_or_range_are_named(saved_drafter, field
         AutoModel.from_pretrained(saved_drafter)
 
 
+@pytest.mark.parametrize("kind, buffer", [("dfly", "draft_vocab"), ("mtp", "d2t")])
+@pytest.mark.parametrize("damage", ["past the vocabulary", "negative", "twice"])
+def test_a_draft_vocabulary_outside_the_target_or_repeated_is_refused_at_load(targets, tmp_path, kind, buffer, damage):
+    """Out-of-range ids loaded and failed in generate with a bare IndexError."""
+    target = targets.target("llama")
+    ids = torch.arange(10, 58)
+    drafter = (DFlyDrafter.from_target(target, draft_token_ids=ids) if kind == "dfly"
+               else MTPDrafter.from_target(target, draft_token_ids=ids))
+    drafter.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    stored = tensors[buffer].clone()
+    if damage == "past the vocabulary":
+        stored[-1] += 1000
+    elif damage == "negative":
+        stored[0] -= 1000
+    else:  # the second id made to name the first one's token
+        stored[1] = stored[0] if kind == "dfly" else stored[0] - 1
+    tensors[buffer] = stored
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DrafterCheckpointError, match="draft vocabulary stored at .* outside the target's 0..95 or the same id twice"):
+        AutoModel.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("native_bf16, drafter_dtype, warns", [
     (False, torch.bfloat16, True), (True, torch.bfloat16, False), (False, torch.float32, False)])
 def test_drafting_in_emulated_bfloat16_warns_once_with_the_fix(targets, monkeypatch, caplog, native_bf16,

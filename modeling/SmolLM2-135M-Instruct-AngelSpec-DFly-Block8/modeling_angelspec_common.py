@@ -1264,7 +1264,22 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
                 f"{details}. Fix: the weights belong to another drafter configuration or were damaged; "
                 "re-save the drafter with save_pretrained() or load it with the class that wrote it."
             )
+        model.check_draft_vocabulary(str(pretrained_model_name_or_path))
         return (model, info) if want_info else model
+
+    def check_draft_vocabulary(self, source: str) -> None:
+        """A reduced draft vocabulary read from a checkpoint must name distinct target ids: ids out of
+        range loaded and then failed inside generate with a bare IndexError."""
+        if not self.config.uses_reduced_vocab:
+            return
+        ids = self.draft_token_ids()
+        vocab = self.config.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab or int(ids.unique().numel()) != ids.numel()):
+            raise DrafterCheckpointError(
+                f"The draft vocabulary stored at {source!r} names token ids outside the target's 0..{vocab - 1} or the "
+                "same id twice. Fix: re-save the drafter with save_pretrained(), or rebuild its vocabulary "
+                "(set_draft_vocab / angelspec-hf draft-vocab)."
+            )
 
     def push_to_hub(self, repo_id: str, private: bool | None = None, create_pr: bool = False, **kwargs):
         """Upload weights, config, remote code and a generated model card (a card you wrote is kept).
