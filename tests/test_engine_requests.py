@@ -122,3 +122,36 @@ def test_prompts_may_be_any_iterable_and_bad_engine_settings_are_refused_by_name
         with pytest.raises(ValueError, match=r"capture_layers are decoder-layer indices 0\.\.5"):
             engine.generate([GOOD], max_new_tokens=3, capture_layers=layers)
         assert not engine.has_work
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_stop_strings_end_each_request_as_generate_ends_it(drafted):
+    """Per-request stop strings, matched on the text as transformers' StopStringCriteria matches them
+    (the completing token kept), so each row is `target.generate(stop_strings=..., tokenizer=...)`'s,
+    drafts accepted past the stop or not; a request without them runs on."""
+    from tokenizers import decoders
+
+    from fitting import tiny_tokenizer
+
+    target, tokenizer = tiny_target("llama", seed=4), tiny_tokenizer()
+    # Stop strings are matched on the tokens' bytes; the word-level test tokenizer's ids are ASCII words.
+    tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()
+    prompts = [GOOD, [7, 8, 9, 10], [30, 31]]
+    free = [plain(target, p, max_new_tokens=20, eos_token_id=None) for p in prompts]
+    stops = [tokenizer.convert_ids_to_tokens(out[len(p) + 4]) for p, out in zip(prompts, free)]
+    expected = [plain(target, p, max_new_tokens=20, eos_token_id=None, stop_strings=stop, tokenizer=tokenizer)
+                for p, stop in zip(prompts, stops)]
+    assert all(len(e) < len(f) for e, f in zip(expected, free))
+    drafter = MTPDrafter.from_target(target, num_draft_tokens=4) if drafted else None
+    engine = SpeculativeEngine(target, drafter, max_batch_size=3, tokenizer=tokenizer)
+    ids = [engine.submit(p, max_new_tokens=20, eos_token_id=[], stop_strings=stop) for p, stop in zip(prompts, stops)]
+    ids.append(engine.submit(GOOD, max_new_tokens=20, eos_token_id=[]))
+    out = {i: [] for i in ids}
+    while engine.has_work:
+        for event in engine.step():
+            out[event.request] += event.tokens
+    assert [p + out[i] for p, i in zip(prompts, ids)] == expected
+    assert GOOD + out[ids[-1]] == free[0]
+    assert engine.generate(prompts, max_new_tokens=20, eos_token_id=[], stop_strings=stops[0])[0] == expected[0]
+    with pytest.raises(EngineRequestError, match="tokenizer="):
+        SpeculativeEngine(target, None).submit(GOOD, stop_strings="w5")

@@ -54,6 +54,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..errors import AngelSpecError, UnsupportedCacheError
 from ..modeling_angelspec_common import sample_tokens, wait_for_device
@@ -233,6 +234,8 @@ class _Row:
     do_sample: bool = False
     processors: LogitsProcessorList = field(default_factory=LogitsProcessorList)  # sampling warpers
     emitted: int = 0  # new tokens already reported in events
+    stop: StopStringCriteria | None = None  # the request's stop strings, matched as `generate` does
+    stopped: bool = False  # its text ended in a stop string
 
     @property
     def generator(self):
@@ -256,6 +259,18 @@ class EngineEvent:
     tokens: list[int]
     finished: bool = False
     error: EngineRequestError | None = None
+
+
+def _until_stop(row: "_Row", new: list[int]) -> list[int]:
+    """The tokens of ``new`` a row keeps: up to and with the first EOS, or the first that completes one
+    of its stop strings (``row.stopped``), checked token by token as ``generate``'s criteria are."""
+    for j, token in enumerate(new):
+        if token in row.eos:
+            return new[: j + 1]
+        if row.stop is not None and bool(row.stop(torch.tensor([row.tokens + new[: j + 1]]), None)[0]):
+            row.stopped = True
+            return new[: j + 1]
+    return new
 
 
 def _window_positions(row: "_Row", width: int, device) -> torch.Tensor:
@@ -363,7 +378,7 @@ class SpeculativeEngine:
     """
 
     def __init__(self, target, drafter=None, max_batch_size: int = 16, probe_rounds: int = 2, policy=None,
-                 route_margin: float = 0.25):
+                 route_margin: float = 0.25, tokenizer=None):
         if drafter is None:
             drafters = {}
         elif isinstance(drafter, dict):
@@ -376,6 +391,7 @@ class SpeculativeEngine:
             raise ValueError(f"max_batch_size is the most requests decoded at once (an integer of at least 1), "
                              f"got {max_batch_size!r}.")
         self.target, self.drafters, self.max_batch_size = target.eval(), drafters, int(max_batch_size)
+        self.tokenizer = tokenizer  # for requests' stop strings
         self.route = isinstance(drafter, dict)
         if probe_rounds < 1:
             raise ValueError(f"probe_rounds must be at least 1, got {probe_rounds}.")
@@ -427,13 +443,16 @@ class SpeculativeEngine:
 
     def submit(self, prompt: list[int], max_new_tokens: int = 128, *, eos_token_id: int | list[int] | None = None,
                do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, domain: str | None = None) -> int:
+               top_p: float | None = None, domain: str | None = None, stop_strings: str | list[str] | None = None) -> int:
         """Queue one request; its id, which `step`'s events carry. It joins the batch at the next
         step with a free slot, so requests can arrive while others are being decoded (continuous
         batching). Decoding settings are the request's own: greedy and sampled requests, with
         different temperatures, share a batch. ``eos_token_id`` None stops at the target's own
         (``generation_config.eos_token_id``), as ``target.generate`` does; ``[]`` decodes
-        ``max_new_tokens`` whatever comes. Raises `EngineRequestError` for a prompt that cannot be
+        ``max_new_tokens`` whatever comes. ``stop_strings`` end the request where its text (prompt
+        included) ends in one of them, the token that completes it kept: transformers' own matching
+        (``StopStringCriteria``), so the output is ``target.generate(stop_strings=..., tokenizer=...)``'s;
+        they need the engine's ``tokenizer``. Raises `EngineRequestError` for a prompt that cannot be
         served (not one sequence of int ids, empty, ids outside the vocabulary, too long for the
         target) or a bad ``max_new_tokens`` / ``eos_token_id``, and ``ValueError`` for a bad
         sampling setting; the requests already queued are not affected.
@@ -444,12 +463,24 @@ class SpeculativeEngine:
         if eos_token_id is None:
             eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
         eos = _eos_set(eos_token_id)
+        stop = self._stop_criteria(stop_strings)
         error = self._validate(prompt, max_new_tokens)
         if error is not None:
             raise error
         self._waiting.append(_Row(request, prompt, len(prompt), max_new_tokens, domain,
-                                  eos=eos, do_sample=do_sample, processors=processors))
+                                  eos=eos, do_sample=do_sample, processors=processors, stop=stop))
         return request
+
+    def _stop_criteria(self, stop_strings: str | list[str] | None) -> StopStringCriteria | None:
+        if not stop_strings:
+            return None
+        if self.tokenizer is None:
+            raise EngineRequestError("stop_strings are matched on the text: build the engine with "
+                                     "SpeculativeEngine(..., tokenizer=tokenizer).")
+        strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+        if not all(isinstance(text, str) and text for text in strings):
+            raise EngineRequestError(f"stop_strings must be non-empty strings, got {stop_strings!r}.")
+        return StopStringCriteria(self.tokenizer, strings)
 
     @torch.no_grad()
     def step(self) -> list[EngineEvent]:
@@ -495,7 +526,8 @@ class SpeculativeEngine:
     def stream(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
                do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, domains: list[str | None] | None = None,
-               capture_layers: list[int] | None = None) -> Iterator[EngineEvent]:
+               capture_layers: list[int] | None = None,
+               stop_strings: str | list[str] | None = None) -> Iterator[EngineEvent]:
         """Serve ``prompts`` and yield every request's tokens as they are committed (`EngineEvent`:
         request = the prompt's index, the new tokens, whether it finished). A request that cannot be
         served yields one finished event with its ``error`` first; the others go on. Requests
@@ -512,7 +544,7 @@ class SpeculativeEngine:
         self._check_capture_layers(capture_layers)
         self._start_session(capture_layers)
         settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=do_sample,
-                        temperature=temperature, top_k=top_k, top_p=top_p)
+                        temperature=temperature, top_k=top_k, top_p=top_p, stop_strings=stop_strings)
         errors = []
         try:
             for index, prompt in enumerate(prompts):
@@ -545,9 +577,11 @@ class SpeculativeEngine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, domains: list[str | None] | None = None,
-                 capture_layers: list[int] | None = None) -> list[list[int] | EngineRequestError]:
+                 capture_layers: list[int] | None = None,
+                 stop_strings: str | list[str] | None = None) -> list[list[int] | EngineRequestError]:
         """Continue every prompt (greedy, or sampled); a request that cannot be served gets its error instead.
-        Stops each at ``eos_token_id`` (None: the target's own, as ``target.generate``; ``[]``: none).
+        Stops each at ``eos_token_id`` (None: the target's own, as ``target.generate``; ``[]``: none)
+        and after any of ``stop_strings`` (see `submit`).
 
         ``domains`` names, per request, the drafter to use (with a ``{name: drafter}`` engine);
         requests without a known one are routed online. ``capture_layers`` (decoder-layer indices,
@@ -566,7 +600,7 @@ class SpeculativeEngine:
             except EngineRequestError:
                 results.append([])  # its error event replaces it
         for event in self.stream(prompts, max_new_tokens, eos_token_id, do_sample, temperature, top_k, top_p,
-                                 domains, capture_layers):
+                                 domains, capture_layers, stop_strings):
             if event.error is not None:
                 results[event.request] = event.error
             else:
@@ -654,7 +688,7 @@ class SpeculativeEngine:
 
     @staticmethod
     def _finished(row: _Row) -> bool:
-        return row.new_tokens >= row.max_new_tokens or (row.new_tokens > 0 and row.tokens[-1] in row.eos)
+        return row.new_tokens >= row.max_new_tokens or row.stopped or (row.new_tokens > 0 and row.tokens[-1] in row.eos)
 
     def _flushed(self, row: _Row) -> bool:
         return self.capture_layers is None or row.flushed
@@ -814,7 +848,7 @@ class SpeculativeEngine:
         new_cache = BufferedCache()
         out = self._forward(ids, mask[:, :0], mask, positions, new_cache, logits_to_keep=keep)
         for i, row in enumerate(joining):
-            row.tokens.append(self._choose(row, row.tokens, out.logits[i, row.prompt_length - 1 - skipped]))
+            row.tokens += _until_stop(row, [self._choose(row, row.tokens, out.logits[i, row.prompt_length - 1 - skipped])])
             self._assign_drafters(row)
             self._queue_outputs(row, self._row_outputs(out, i, row.prompt_length))
             self._capture(row, out, i, row.prompt_length)
@@ -1389,11 +1423,7 @@ class SpeculativeEngine:
             if draft and policy is not None:
                 outcomes.append(((row.generator.last_confidences or [])[: len(draft)], len(new) - 1))
                 outcome_arms.append(row.arm)
-            new = new[: row.tokens_left]
-            for j, token in enumerate(new):
-                if token in row.eos:
-                    new = new[: j + 1]
-                    break
+            new = _until_stop(row, new[: row.tokens_left])
             row.tokens += new
             # The pending token and the accepted drafts are now committed; the rest is masked for good.
             kept[i, : len(new)] = True
