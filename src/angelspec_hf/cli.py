@@ -434,14 +434,13 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def jsonl_files(paths: list[str]) -> list[Path]:
-    """The JSONL files named, and those inside the directories named, in a stable order."""
-    files = []
-    for name in paths:
-        path = Path(name)
-        if not path.exists():
-            raise SystemExit(f"{name}: no such file or directory")
-        files += sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    return files
+    """`training.data.jsonl_files` for a command's arguments: a missing path ends the command."""
+    from .training.data import jsonl_files as files_in
+
+    try:
+        return files_in(paths)
+    except FileNotFoundError as error:
+        raise SystemExit(str(error)) from None
 
 
 def recipe_feature_caches(target, directory: str, recipes: list[str], target_layer_ids: list[int] | None = None) -> dict:
