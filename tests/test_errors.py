@@ -161,8 +161,82 @@ def test_a_draft_vocabulary_outside_the_target_or_repeated_is_refused_at_load(ta
         stored[1] = stored[0] if kind == "dfly" else stored[0] - 1
     tensors[buffer] = stored
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(DrafterCheckpointError, match="draft vocabulary stored at .* outside the target's 0..95 or the same id twice"):
+    problem = "more than once" if damage == "twice" else "outside the target's 0..95"
+    with pytest.raises(DrafterCheckpointError, match=rf"draft vocabulary stored at .* {buffer} .*names token ids .*{problem}"
+                                                     ".*Fix: re-save"):
         AutoModel.from_pretrained(tmp_path)
+
+
+def test_an_mtp_t2d_that_disagrees_with_d2t_is_refused_at_load(targets, tmp_path):
+    """An EAGLE-3 export ships t2d beside d2t; one that marks other tokens loaded without a word."""
+    MTPDrafter.from_target(targets.target("llama"), draft_token_ids=torch.arange(10, 58)).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["t2d"] = torch.roll(tensors["t2d"], 1)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DrafterCheckpointError, match="t2d does not mark exactly the target ids that d2t maps to"):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def save_with_config(drafter, directory, **changes):
+    """Save ``drafter`` and rewrite fields of its config.json as a hand edit or a broken tool would."""
+    drafter.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("kind, field, value, message", [
+    # A JSON string "false" is truthy: the module ran switched on.
+    ("dfly", "hidden_correction", "false", "hidden_correction must be true or false"),
+    ("dfly", "correction_embed_norm", "false", "correction_embed_norm must be true or false"),
+    ("mtp", "qk_norm", "false", "qk_norm must be true or false"),
+    ("dfly", "initializer_range", "0.02", "initializer_range must be a positive number"),
+    ("mtp", "initializer_range", -0.02, "initializer_range must be a positive number"),
+    ("dfly", "num_hidden_layers", True, "num_hidden_layers must be a positive integer"),
+    ("mtp", "target_name_or_path", 5, "target_name_or_path must be a string"),
+    # Of another length the fingerprint never matched: every target, the right one too, was refused.
+    ("dfly", "target_embedding_fingerprint", [0.5] * 10, "has 10 values, not the 128"),
+    ("mtp", "target_layer_ids", [1.0, 4.0, 5.0], r"target_layer_ids must be integers .*\[1.0, 4.0, 5.0\]"),
+])
+def test_config_values_of_the_wrong_type_are_named_with_their_type(targets, tmp_path, kind, field, value, message):
+    target = targets.target("llama")
+    drafter = DFlyDrafter.from_target(target) if kind == "dfly" else MTPDrafter.from_target(target)
+    with pytest.raises(DrafterConfigError, match=message):
+        AutoModel.from_pretrained(save_with_config(drafter, tmp_path, **{field: value}))
+
+
+def test_a_directory_without_config_json_is_named(saved_drafter):
+    """transformers reads a missing config.json as {}: the error listed every field as missing."""
+    (saved_drafter / "config.json").unlink()
+    with pytest.raises(DrafterCheckpointError, match="config.json is missing or empty"):
+        DFlyDrafter.from_pretrained(saved_drafter)
+
+
+@pytest.mark.parametrize("argument, message", [({"dtype": "float33"}, "dtype"), ({"device_map": "nowhere"}, "device_map")])
+def test_a_bad_from_pretrained_argument_is_not_blamed_on_the_checkpoint(saved_drafter, argument, message):
+    """It was wrapped in DrafterCheckpointError with a "re-download or re-save" fix: the files were fine."""
+    with pytest.raises(ValueError, match=message) as info:
+        DFlyDrafter.from_pretrained(saved_drafter, **argument)
+    assert not isinstance(info.value, DrafterCheckpointError)
+
+
+def test_a_tensor_of_the_wrong_shape_is_named(saved_drafter):
+    """It came as transformers' "ignore_mismatched_sizes" RuntimeError text, naming no tensor."""
+    weights = saved_drafter / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["layers.0.q_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(DrafterCheckpointError, match=r"mismatched_keys: .*layers.0.q_proj.weight.*\[3, 3\]"):
+        DFlyDrafter.from_pretrained(saved_drafter)
+
+
+def test_an_unreadable_weight_index_is_still_a_checkpoint_error(saved_drafter):
+    """A JSONDecodeError (a ValueError) from a file stays a checkpoint error after bad arguments stopped being one."""
+    (saved_drafter / "model.safetensors").rename(saved_drafter / "model-00001-of-00001.safetensors")
+    (saved_drafter / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(DrafterCheckpointError, match="re-download or re-save"):
+        DFlyDrafter.from_pretrained(saved_drafter)
 
 
 @pytest.mark.parametrize("native_bf16, drafter_dtype, warns", [

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from angelspec_hf import DFlyDrafter, MTPDrafter
+from angelspec_hf.errors import DrafterConfigError
 from angelspec_hf.hub import GENERATED_MARKER, find_drafters, model_card, write_model_card
 
 
@@ -91,8 +92,16 @@ def test_push_takes_push_to_hubs_keywords(targets, tmp_path):
     from angelspec_hf.reference import tiny_target
 
     export_eagle3(MTPDrafter.from_target(tiny_target("llama", num_hidden_layers=8), draft_vocab_size=48), tmp_path / "eagle3")
-    with pytest.raises(ValueError, match="not an angelspec-hf drafter.*convert --to angelspec-hf"):
+    with pytest.raises(DrafterConfigError, match=r"holds a '\w+' model, not an angelspec-hf drafter.*convert --to angelspec-hf"):
         push_drafter(tmp_path / "eagle3", "org/theirs", api=api)
+
+
+def test_push_to_hub_shards_as_max_shard_size_asks(targets):
+    """max_shard_size is one of push_to_hub's keywords; it was dropped with the rest."""
+    api = FakeHubApi()
+    DFlyDrafter.from_target(targets.target("llama")).push_to_hub("org/tiny-dfly", api=api, max_shard_size="40KB")
+    shards = [name for name in api.files if name.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in api.files
 
 
 def test_a_user_written_card_is_kept(targets, tmp_path):

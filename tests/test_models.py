@@ -291,6 +291,9 @@ def test_bf16_save_keeps_dtype(targets, tmp_path):
         (lambda: MTPDrafterConfig(num_attention_heads=9, num_key_value_heads=2), "multiple of num_key_value_heads"),
         (lambda: MTPDrafterConfig(layer_style="deepseek", num_hidden_layers=2), "deepseek-style MTP drafter is one"),
         (lambda: MTPDrafterConfig(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
+        (lambda: DFlyDrafterConfig(hidden_correction="no"), "hidden_correction must be true or false"),
+        (lambda: MTPDrafterConfig(vocab_size=True), "vocab_size must be a positive integer"),
+        (lambda: DFlyDrafterConfig(hidden_size=64, target_embedding_fingerprint=[0.1] * 64), "has 64 values, not the 128"),
     ],
 )
 def test_bad_config_arguments_raise_typed_errors(factory, message):

@@ -97,3 +97,26 @@ def test_package_drafters_keep_their_alternatives_beside_remote_code_loaded_firs
                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"remote": 2, "package": 2}
+
+
+def test_alternatives_are_verified_by_the_generators_own_copy(monkeypatch):
+    """The integration is the first-loaded copy's; it hooked the target with its own AlternativesVerification,
+    which reads the generator's fields and may be another version's (remote code beside the package)."""
+    import torch
+
+    from angelspec_hf import MTPDrafter
+    from angelspec_hf.modeling_angelspec_common import AlternativesVerification, AngelSpecCandidateGenerator
+    from angelspec_hf.reference import tiny_target
+
+    asked = []
+
+    def verify_alternatives(generator, target):
+        asked.append(generator)
+        return AlternativesVerification(generator, target)
+
+    monkeypatch.setattr(AngelSpecCandidateGenerator, "verify_alternatives", verify_alternatives, raising=False)
+    target = tiny_target("llama", num_hidden_layers=8, seed=0)
+    drafter = MTPDrafter.from_target(target).eval()
+    prompt = torch.tensor([[5, 9, 11, 4, 7, 3, 8, 21, 40, 12]])
+    target.generate(prompt, assistant_model=drafter, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert len(asked) == 1 and asked[0].alternatives == 2

@@ -1,6 +1,6 @@
 """Configuration of the AngelSpec DFly block-parallel drafter (and its DFlash/DFlare special cases)."""
 
-from .configuration_angelspec_common import AngelSpecDrafterConfig
+from .configuration_angelspec_common import AngelSpecDrafterConfig, check_bool, is_int
 from .errors import DrafterConfigError
 
 CONDITIONING_MODES = ("global", "layerwise", "hybrid")
@@ -39,21 +39,24 @@ class DFlyDrafterConfig(AngelSpecDrafterConfig):
                          "hidden_correction")
 
     def __post_init__(self, **kwargs):
-        if not isinstance(self.block_size, int) or self.block_size < 2:
+        self._validate_sizes()
+        if not is_int(self.block_size) or self.block_size < 2:
             raise DrafterConfigError(f"block_size must be an integer >= 2 (anchor + masks), got {self.block_size!r}.")
         if self.conditioning not in CONDITIONING_MODES:
             raise DrafterConfigError(
                 f"conditioning must be one of {CONDITIONING_MODES}, got {self.conditioning!r}."
             )
-        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
+        for name in ("hidden_correction", "correction_embed_norm"):
+            check_bool(type(self).__name__, name, getattr(self, name))
+        if not is_int(self.mask_token_id) or not 0 <= self.mask_token_id < self.vocab_size:
             raise DrafterConfigError(
-                f"mask_token_id must be a token id of the target vocabulary (0..{self.vocab_size - 1}), "
+                f"mask_token_id must be an integer token id of the target vocabulary (0..{self.vocab_size - 1}), "
                 f"got {self.mask_token_id!r}."
             )
         if self.correction_intermediate_size is None:
             self.correction_intermediate_size = self.hidden_size
         size = self.correction_intermediate_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if not is_int(size) or size < 1:
             raise DrafterConfigError(f"correction_intermediate_size must be a positive integer (or None: the hidden "
                                      f"size), got {size!r}.")
         super().__post_init__(**kwargs)

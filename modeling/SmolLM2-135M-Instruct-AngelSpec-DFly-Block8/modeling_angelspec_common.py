@@ -8,6 +8,7 @@ when it loads a drafter with ``trust_remote_code=True``.
 """
 
 import functools
+import json
 import threading
 import time
 import weakref
@@ -30,7 +31,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
-from .configuration_angelspec_common import AngelSpecDrafterConfig
+from .configuration_angelspec_common import FINGERPRINT_DIMS, FINGERPRINT_ROWS, AngelSpecDrafterConfig
 from .errors import (
     AngelSpecError,
     BatchSizeNotSupportedError,
@@ -43,8 +44,6 @@ from .errors import (
 
 logger = logging.get_logger(__name__)
 
-FINGERPRINT_ROWS = 16
-FINGERPRINT_DIMS = 8
 # Cosine similarity that still counts as "the same embeddings": bf16 or 4-bit copies of one
 # target stay above 0.99, unrelated matrices land near 0.
 FINGERPRINT_MIN_COSINE = 0.95
@@ -739,6 +738,10 @@ class AngelSpecCandidateGenerator(CandidateGenerator):
     def max_draft_tokens(self) -> int:
         return self.drafter.max_draft_tokens
 
+    def verify_alternatives(self, target: PreTrainedModel) -> "AlternativesVerification":
+        """Hooks ``target`` so that its verify forwards also check this generator's first-token alternatives."""
+        return AlternativesVerification(self, target)
+
     def get_candidates(
         self,
         input_ids: torch.LongTensor,
@@ -1193,8 +1196,28 @@ class AlternativesVerification:
 # --------------------------------------------------------------------------- base model
 
 
-def _is_checkpoint_failure(exc: Exception) -> bool:
-    return isinstance(exc, (OSError, RuntimeError, ValueError, KeyError)) or "safetensor" in type(exc).__name__.lower()
+def token_id_problems(name: str, ids: torch.Tensor, vocab_size: int) -> list[str]:
+    """Why ``ids`` (from the tensor ``name``) are not distinct token ids of a ``vocab_size`` vocabulary."""
+    problems = []
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        problems.append(f"{name} names token ids {outside[:4].tolist()} outside the target's 0..{vocab_size - 1}")
+    if int(ids.unique().numel()) != ids.numel():
+        values, counts = ids.unique(return_counts=True)
+        problems.append(f"{name} names token ids {values[counts > 1][:4].tolist()} more than once")
+    return problems
+
+
+def _is_checkpoint_failure(exc: BaseException) -> bool:
+    """Whether ``from_pretrained`` failed reading the checkpoint's files: missing or unreadable files
+    (OSError; transformers turns an invalid config.json into one), a damaged safetensors file, an
+    index that is not JSON. A bad argument (``dtype="float33"``, ``device_map="nowhere"``) raises a
+    ValueError or RuntimeError of transformers or torch and must reach the caller as it is: wrapped,
+    it was blamed on the checkpoint with a "re-download" fix."""
+    if isinstance(exc, (OSError, json.JSONDecodeError, UnicodeDecodeError)):
+        return True
+    kind = type(exc)
+    return kind.__module__.startswith("safetensors") or "safetensor" in kind.__name__.lower()
 
 
 class AngelSpecPreTrainedModel(PreTrainedModel):
@@ -1242,6 +1265,9 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
         """
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("use_safetensors", True)
+        # A tensor of the wrong shape is reported in the loading info (and refused below, by name)
+        # rather than raised as a RuntimeError that names no tensor.
+        kwargs["ignore_mismatched_sizes"] = True
         try:
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
@@ -1272,14 +1298,20 @@ class AngelSpecPreTrainedModel(PreTrainedModel):
         range loaded and then failed inside generate with a bare IndexError."""
         if not self.config.uses_reduced_vocab:
             return
-        ids = self.draft_token_ids()
-        vocab = self.config.vocab_size
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab or int(ids.unique().numel()) != ids.numel()):
+        problems = self.draft_vocabulary_problems()
+        if problems:
             raise DrafterCheckpointError(
-                f"The draft vocabulary stored at {source!r} names token ids outside the target's 0..{vocab - 1} or the "
-                "same id twice. Fix: re-save the drafter with save_pretrained(), or rebuild its vocabulary "
-                "(set_draft_vocab / angelspec-hf draft-vocab)."
+                f"The draft vocabulary stored at {source!r} is damaged: {'; '.join(problems)}. Fix: re-save the "
+                "drafter with save_pretrained(), or rebuild its vocabulary (set_draft_vocab / angelspec-hf draft-vocab)."
             )
+
+    # The buffer a reduced draft vocabulary is stored in, for errors that name it.
+    draft_vocabulary_tensor: str = "draft_vocab"
+
+    def draft_vocabulary_problems(self) -> list[str]:
+        """What is wrong with `draft_token_ids` (empty when nothing): ids outside the target's
+        vocabulary, or one id twice (two draft rows for one token)."""
+        return token_id_problems(self.draft_vocabulary_tensor, self.draft_token_ids(), self.config.vocab_size)
 
     def push_to_hub(self, repo_id: str, private: bool | None = None, create_pr: bool = False, **kwargs):
         """Upload weights, config, remote code and a generated model card (a card you wrote is kept).
@@ -1435,7 +1467,10 @@ def install_generate_integration() -> None:
             generator.alternatives = alternatives_for(generator, self, generation_config)
             generator.alternatives_width = int(getattr(assistant, "alternatives_verify_width", 0) or 0)
             if generator.alternatives:
-                _alternatives_in_use().append(AlternativesVerification(generator, self))
+                # The generator's own copy of the verification: it reads the generator's fields, which
+                # another copy of this module (another version) may lay out differently.
+                verify = getattr(generator, "verify_alternatives", None)
+                _alternatives_in_use().append(verify(self) if verify else AlternativesVerification(generator, self))
         return generator
 
     for name, function in (

@@ -229,6 +229,19 @@ class MTPDrafter(AngelSpecPreTrainedModel):
         """Target ids of the draft vocabulary, in draft-vocabulary order."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
+    draft_vocabulary_tensor = "d2t (target id = draft id + d2t)"
+
+    def draft_vocabulary_problems(self) -> list[str]:
+        """Also ``t2d``: drafting never reads it, but an EAGLE-3 export ships it, and a reader that
+        trusts it over ``d2t`` would draft other tokens."""
+        problems = super().draft_vocabulary_problems()
+        if not problems:
+            expected = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.t2d.device)
+            expected[self.draft_token_ids()] = True
+            if self.t2d.shape != expected.shape or not torch.equal(self.t2d.bool(), expected):
+                problems.append("t2d does not mark exactly the target ids that d2t maps to")
+        return problems
+
     def vocab_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Logits over the drafter's own vocabulary: the reduced one if it has one, else the target's."""
         normed = hidden if self.deepseek_style else self.norm(hidden)

@@ -1,6 +1,6 @@
 """Configuration of the AngelSpec MTP drafter (autoregressive head trained with training-time test)."""
 
-from .configuration_angelspec_common import AngelSpecDrafterConfig
+from .configuration_angelspec_common import AngelSpecDrafterConfig, check_bool, is_int
 from .errors import DrafterConfigError
 
 LAYER_STYLES = ("eagle3", "deepseek")
@@ -35,14 +35,16 @@ class MTPDrafterConfig(AngelSpecDrafterConfig):
     qk_norm: bool | None = None
 
     def __post_init__(self, **kwargs):
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
+        self._validate_sizes()
+        if not is_int(self.num_draft_tokens) or self.num_draft_tokens < 1:
             raise DrafterConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
-        if not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
+        if not is_int(self.ttt_steps) or self.ttt_steps < 1:
             raise DrafterConfigError(f"ttt_steps must be an integer >= 1, got {self.ttt_steps!r}.")
         if self.layer_style not in LAYER_STYLES:
             raise DrafterConfigError(f"layer_style must be one of {LAYER_STYLES}, got {self.layer_style!r}.")
         if self.qk_norm is None:
             self.qk_norm = self.layer_style == "deepseek"
+        check_bool(type(self).__name__, "qk_norm", self.qk_norm)
         if self.layer_style == "deepseek" and self.num_hidden_layers != 1:
             raise DrafterConfigError(
                 f"A deepseek-style MTP drafter is one MTP layer (AngelSpec's MTPDraftModel), got num_hidden_layers="
