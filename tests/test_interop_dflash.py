@@ -161,3 +161,52 @@ def test_transformers_own_dflash_path_reproduces_our_drafts(targets, tmp_path):
             assert sum(drafter.last_speculation_stats.accepted) > 0
     finally:
         hook.remove()
+
+
+def test_angelspec_dflash_config_is_read_by_both_readers():
+    """AngelSpec's own DFlashDraftModel config counts the fused layers in num_target_layers (5) and the
+    target's depth in target_num_hidden_layers (36): load_dflash read 5 as the depth and refused the
+    layer ids, and load_angelspec sent it back to load_dflash."""
+    from angelspec_hf.interop.angelspec import angelspec_drafter_config
+
+    path = FORMATS / "angelspec_dflash_draft_config.json"
+    if not path.exists():
+        pytest.skip(f"shared format examples not present ({path})")
+    raw = json.loads(path.read_text())
+    with pytest.raises(DrafterConfigError, match="block size"):
+        dflash_drafter_config(raw)
+    for config in (dflash_drafter_config(raw, block_size=16), angelspec_drafter_config(raw, block_size=16)):
+        assert config.variant == "dflash" and config.num_target_layers == 36
+        assert config.target_layer_ids == [1, 9, 17, 25, 33] and config.mask_token_id == 151669
+
+
+def test_an_angelspec_dflash_checkpoint_loads_as_the_same_drafter(tmp_path):
+    """A checkpoint in AngelSpec's DFlash layout (its config and tensor names, as its DFlashDraftModel
+    saves them) loads through load_dflash, which the CLI picks for DFlashDraftModel, and load_angelspec."""
+    from safetensors.torch import save_file
+
+    from angelspec_hf.interop import load_angelspec
+    from angelspec_hf.interop.angelspec import their_name
+    from angelspec_hf.reference import tiny_target
+
+    target = tiny_target("llama", seed=0)
+    drafter = DFlyDrafter.from_target(target, block_size=4, conditioning="global", hidden_correction=False)
+    c = drafter.config
+    tensors = {their_name(key): value for key, value in drafter.state_dict().items()}
+    tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()  # AngelSpec keeps it
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "model_type": "dflash", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "num_target_layers": len(c.target_layer_ids), "target_hidden_size": c.hidden_size,
+        "target_num_hidden_layers": c.num_target_layers, "target_layer_ids": c.target_layer_ids,
+        "mask_token_id": c.mask_token_id, "tie_word_embeddings": False,
+    }))
+    for loaded in (load_dflash(tmp_path, block_size=4), load_angelspec(tmp_path, block_size=4)):
+        assert loaded.config.variant == "dflash" and loaded.config.num_target_layers == c.num_target_layers
+        assert loaded.config.target_layer_ids == c.target_layer_ids and loaded.config.block_size == 4
+        for key, value in drafter.state_dict().items():
+            assert torch.equal(value, loaded.state_dict()[key]), key
+        loaded.check_target(target)

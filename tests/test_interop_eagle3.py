@@ -148,3 +148,50 @@ def test_a_file_recording_another_target_is_refused_when_loaded_with_one(tmp_pat
     with pytest.raises(DrafterTargetMismatchError, match="tiny-llama-seed0.*not for 'tiny-llama-seed1'"):
         load_eagle3(tmp_path, target=other)
     assert load_eagle3(tmp_path, target=trained_for).config.target_name_or_path == "tiny-llama-seed0"
+
+
+def test_a_given_target_keeps_the_recorded_binding_and_must_match_its_depth(tmp_path):
+    """What the file records about its target wins over the target given: the same weights under
+    another name stay bound to the recorded name and fingerprint, and a target of another depth
+    (same embeddings) is refused instead of re-binding the drafter to it."""
+    import copy
+
+    from angelspec_hf.errors import DrafterTargetMismatchError
+    from angelspec_hf.reference import tiny_target
+
+    trained_for = tiny_target("llama", num_hidden_layers=8, seed=0)
+    export_eagle3(MTPDrafter.from_target(trained_for, draft_vocab_size=48), tmp_path)
+    recorded = json.loads((tmp_path / "config.json").read_text())["angelspec_target"]
+    renamed = copy.deepcopy(trained_for)
+    renamed.config._name_or_path = "somewhere/else"
+    loaded = load_eagle3(tmp_path, target=renamed)
+    assert loaded.config.target_name_or_path == "tiny-llama-seed0"
+    assert loaded.config.target_embedding_fingerprint == recorded["embedding_fingerprint"]
+    shallower = copy.deepcopy(trained_for)
+    shallower.model.layers = shallower.model.layers[:6]
+    shallower.config.num_hidden_layers = 6
+    with pytest.raises(DrafterTargetMismatchError, match="8 decoder layers recorded, the target has 6"):
+        load_eagle3(tmp_path, target=shallower)
+
+
+def test_a_full_vocabulary_file_with_its_own_head_needs_the_target(tmp_path):
+    """Without the target, the stored lm_head of a full-vocabulary file was dropped in silence and the
+    drafter drafted through whatever target it met; it is refused until the target can be compared."""
+    from angelspec_hf.reference import tiny_target
+
+    target = tiny_target("llama", num_hidden_layers=8, seed=0)  # EAGLE-3 reads three of its layers
+    export_eagle3(MTPDrafter.from_target(target), tmp_path, target=target)
+    assert "lm_head.weight" in load_file(tmp_path / "model.safetensors")
+    with pytest.raises(DrafterConfigError, match=r"own \(96, 64\) lm_head.*Fix: pass target="):
+        load_eagle3(tmp_path, num_target_layers=target.config.num_hidden_layers)
+    assert not load_eagle3(tmp_path, target=target).config.uses_reduced_vocab
+
+
+def test_a_qk_norm_drafter_is_refused_by_the_export(tmp_path):
+    from angelspec_hf.reference import tiny_target
+
+    drafter = MTPDrafter.from_target(tiny_target("llama", num_hidden_layers=8, seed=0), draft_vocab_size=48, qk_norm=True)
+    assert drafter.config.layer_style == "eagle3"
+    with pytest.raises(DrafterConfigError, match="EAGLE-3 layers have no QK-norm.*angelspec-hf format"):
+        export_eagle3(drafter, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()

@@ -330,7 +330,7 @@ def run_convert(args: argparse.Namespace) -> int:
         elif architecture in ("Qwen3DFlyModel", "DFlyDraftModel") or raw.get("model_arch") == "dflare":
             drafter = load_angelspec(args.source, block_size=args.block_size)
         elif architecture == "DFlashDraftModel":
-            drafter = load_dflash(args.source)
+            drafter = load_dflash(args.source, block_size=args.block_size)
         elif architecture == "MTPDraftModel" or raw.get("model_type") == "mtp":
             drafter = load_angelspec_mtp(args.source, target=target)
         else:

@@ -10,7 +10,9 @@ gate_proj, up_proj, down_proj}``: ``h + down(silu(gate(x)) * up(x))`` with
 records the fused layers (``target_layer_ids``, ``num_target_layers`` = how many) and the target's
 depth (``target_num_hidden_layers``), not the block size (the serving engine's
 ``num_speculative_tokens``); a written ``block_size`` is read, else the block size must be given.
-DFlash-mode drafters use the z-lab format (`export_dflash`), which AngelSpec reads as well.
+DFlash-mode drafters are exported in the z-lab format (`export_dflash`), which AngelSpec reads as
+well; AngelSpec's own DFlash checkpoints (``DFlashDraftModel``, ``model_type="dflash"``, this
+format's layout without the per-layer mix) are read here as DFlash-mode drafters.
 """
 
 from __future__ import annotations
@@ -23,8 +25,16 @@ import torch
 from ..configuration_angelspec_dfly import DFlyDrafterConfig
 from ..errors import DrafterCheckpointError, DrafterConfigError
 from ..modeling_angelspec_dfly import DFlyDrafter
-from .checkpoint import layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
-from .dflash import PER_LAYER
+from .checkpoint import (
+    PER_LAYER,
+    layer_fields,
+    load_weights,
+    naming_config,
+    read_config,
+    read_tensors,
+    required,
+    write_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +46,15 @@ CORRECTION = {
 }
 IGNORED = ("embed_tokens.weight",)
 DFLY_ARCHITECTURES = ("Qwen3DFlyModel", "DFlyDraftModel")
+
+
+def is_angelspec_dflash(raw: dict) -> bool:
+    """AngelSpec's DFlash (``DFlashDraftModel`` with ``model_type="dflash"``, not DFlare), told from z-lab's
+    ``DFlashDraftModel`` (``model_type="qwen3"``, whose ``num_target_layers`` is the target's depth)
+    by its ``target_num_hidden_layers``, which only AngelSpec's layout records."""
+    architecture = (raw.get("architectures") or [""])[0]
+    return (architecture == "DFlashDraftModel" and raw.get("model_arch", "dflash") == "dflash"
+            and (raw.get("model_type") == "dflash" or "target_num_hidden_layers" in raw))
 
 
 def their_name(key: str) -> str:
@@ -95,21 +114,40 @@ def export_angelspec(drafter: DFlyDrafter, out_dir: str | Path) -> Path:
     return write_checkpoint(out_dir, {names[k]: v for k, v in weights.items()}, angelspec_config_dict(config))
 
 
-def angelspec_drafter_config(raw: dict, block_size: int | None = None) -> DFlyDrafterConfig:
-    """Our config for an AngelSpec DFly/DFlare config dict."""
+def _variant(raw: dict) -> str:
+    """Which AngelSpec block drafter the config describes: "dfly", "dflare" or "dflash"."""
     architecture = (raw.get("architectures") or [""])[0]
-    dflare = raw.get("model_arch") == "dflare"
-    if architecture not in DFLY_ARCHITECTURES and not dflare:
-        raise DrafterCheckpointError(
-            f"Not an AngelSpec DFly/DFlare config (architectures={raw.get('architectures')}, "
-            f"model_arch={raw.get('model_arch')!r}); DFlash checkpoints load with load_dflash."
-        )
+    if raw.get("model_arch") == "dflare":
+        return "dflare"
+    if is_angelspec_dflash(raw):
+        if raw.get("fusion_type", "concat_fc") != "concat_fc":
+            raise DrafterConfigError(
+                f"This AngelSpec DFlash drafter fuses the target layers with fusion_type={raw['fusion_type']!r} "
+                "(a gated sum); angelspec-hf runs DFlash's concatenation and linear projection (concat_fc) only."
+            )
+        return "dflash"
+    if architecture in DFLY_ARCHITECTURES:
+        return "dfly"
+    raise DrafterCheckpointError(
+        f"Not an AngelSpec DFly/DFlare/DFlash config (architectures={raw.get('architectures')}, "
+        f"model_type={raw.get('model_type')!r}, model_arch={raw.get('model_arch')!r}). Fix: z-lab / SpecForge "
+        "DFlash checkpoints (model_type 'qwen3' with dflash_config) load with load_dflash, EAGLE-3 ones with load_eagle3."
+    )
+
+
+def angelspec_drafter_config(raw: dict, block_size: int | None = None) -> DFlyDrafterConfig:
+    """Our config for an AngelSpec DFly/DFlare/DFlash config dict."""
+    variant = _variant(raw)
     nested = {**(raw.get("dflash_config") or {}), **(raw.get("dflare_config") or {})}
     layer_ids = nested.get("target_layer_ids") or raw.get("target_layer_ids")
     depth = raw.get("target_num_hidden_layers")
     if not layer_ids or depth is None:
-        raise DrafterCheckpointError("The config lacks target_layer_ids or target_num_hidden_layers.")
-    if raw.get("target_hidden_size", raw["hidden_size"]) != raw["hidden_size"]:
+        raise DrafterCheckpointError(
+            "The config lacks target_layer_ids or target_num_hidden_layers (the target's depth, which AngelSpec "
+            "records beside num_target_layers, the count of fused layers). Fix: add them from the training config."
+        )
+    hidden_size = required(raw, "hidden_size")
+    if raw.get("target_hidden_size", hidden_size) != hidden_size:
         raise DrafterConfigError("DFly drafters share the target's width; this config's target_hidden_size differs.")
     block = block_size or raw.get("block_size") or nested.get("block_size")
     if block is None:
@@ -117,22 +155,25 @@ def angelspec_drafter_config(raw: dict, block_size: int | None = None) -> DFlyDr
             "This AngelSpec config does not record the block size (vLLM takes it as num_speculative_tokens + 1). "
             "Fix: pass block_size=... (angelspec-hf convert --block-size N)."
         )
-    correction = bool(raw.get("enable_hidden_correction", False)) and not dflare
+    mask_token_id = nested.get("mask_token_id", raw.get("mask_token_id"))
+    if mask_token_id is None:
+        raise DrafterCheckpointError("The config has no 'mask_token_id'. Fix: add the one the drafter was trained with.")
+    correction = bool(raw.get("enable_hidden_correction", False)) and variant == "dfly"
+    conditioning = {"dfly": "hybrid", "dflare": "layerwise", "dflash": "global"}[variant]
     return DFlyDrafterConfig(
         **layer_fields(raw), num_target_layers=int(depth), target_layer_ids=list(layer_ids), block_size=int(block),
-        mask_token_id=int(nested.get("mask_token_id", raw.get("mask_token_id"))),
-        conditioning="layerwise" if dflare else "hybrid", hidden_correction=correction,
+        mask_token_id=int(mask_token_id), conditioning=conditioning, hidden_correction=correction,
         correction_intermediate_size=raw.get("hidden_correction_intermediate_size"), correction_embed_norm=correction,
     )
 
 
 def load_angelspec(path: str | Path, block_size: int | None = None, dtype: torch.dtype | None = None) -> DFlyDrafter:
-    """An AngelSpec DFly/DFlare checkpoint directory as a `DFlyDrafter` (strict: every tensor mapped)."""
-    config = angelspec_drafter_config(read_config(path), block_size)
+    """An AngelSpec DFly/DFlare/DFlash checkpoint directory as a `DFlyDrafter` (strict: every tensor
+    mapped), in ``dtype`` or the file's own."""
+    with naming_config(path):
+        config = angelspec_drafter_config(read_config(path), block_size)
     drafter = DFlyDrafter(config)
     inverse = {v: k for k, v in _name_map(drafter).items()}
-    ours = renamed_strictly(read_tensors(path, IGNORED), inverse,
-                            f"{path} is not a plain AngelSpec DFly/DFlare checkpoint (drafters with their own lm_head, "
-                            "Markov or confidence heads are not supported)")
-    drafter.load_state_dict(ours, strict=True)
-    return drafter.to(dtype) if dtype is not None else drafter
+    what = (f"{path} is not a plain AngelSpec DFly/DFlare/DFlash checkpoint (drafters with their own lm_head, "
+            "Markov or confidence heads are not supported)")
+    return load_weights(drafter, read_tensors(path, IGNORED), inverse, what, path, dtype)

@@ -28,7 +28,15 @@ from ..configuration_angelspec_mtp import MTPDrafterConfig
 from ..errors import DrafterCheckpointError, DrafterConfigError, DrafterTargetMismatchError
 from ..modeling_angelspec_common import embedding_fingerprint
 from ..modeling_angelspec_mtp import MTPDrafter
-from .checkpoint import one_layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
+from .checkpoint import (
+    load_weights,
+    naming_config,
+    one_layer_fields,
+    read_config,
+    read_tensors,
+    required,
+    write_checkpoint,
+)
 
 EMBEDDING = "embed_tokens.weight"
 # Our weight name -> MTPDraftModel name.
@@ -112,11 +120,10 @@ def _check_supported(raw: dict) -> None:
             "This MTPDraftModel has a mixture-of-experts layer (Hy3 style, mlp_type='moe'); angelspec-hf runs the dense "
             "MTP layer of dense targets (mlp_type='dense', e.g. Qwen3 and Llama) only."
         )
-    if raw.get("hidden_act", "silu") != "silu":
-        raise DrafterConfigError(f"MTPDraftModel uses a SiLU MLP; this config has hidden_act={raw['hidden_act']!r}.")
-    if raw.get("target_hidden_size", raw["hidden_size"]) != raw["hidden_size"]:
+    hidden_size = required(raw, "hidden_size")
+    if raw.get("target_hidden_size", hidden_size) != hidden_size:
         raise DrafterConfigError(
-            f"This MTP layer is {raw['hidden_size']} wide for a {raw['target_hidden_size']}-wide target (it has a "
+            f"This MTP layer is {hidden_size} wide for a {raw['target_hidden_size']}-wide target (it has a "
             "hidden_proj); angelspec-hf MTP drafters share the target's width."
         )
     if raw.get("tie_lm_head") is False:
@@ -146,7 +153,8 @@ def load_angelspec_mtp(path: str | Path, target=None, num_target_layers: int | N
     raw = read_config(path)
     theirs = read_tensors(path)
     embedding = theirs.pop(EMBEDDING, None)
-    config = mtp_drafter_config(raw, target, num_target_layers, embedding)
+    with naming_config(path):
+        config = mtp_drafter_config(raw, target, num_target_layers, embedding)
     if embedding is not None and target is not None:
         own = target.get_input_embeddings().weight.detach().cpu()
         if embedding.shape != own.shape or not torch.allclose(embedding.to(own.dtype), own, atol=1e-2, rtol=1e-2):
@@ -154,8 +162,9 @@ def load_angelspec_mtp(path: str | Path, target=None, num_target_layers: int | N
                 f"{path} was trained with other token embeddings than {config.target_name_or_path or 'this target'}'s "
                 f"(its embed_tokens {tuple(embedding.shape)}). Fix: load it with the target it was trained for."
             )
-    drafter = MTPDrafter(config)
     inverse = {name: ours for ours, name in NAMES.items() if config.qk_norm or name not in QK_NORMS}
-    drafter.load_state_dict(renamed_strictly(theirs, inverse, f"{path} is not a dense AngelSpec MTPDraftModel checkpoint"),
-                            strict=True)
-    return drafter.to(dtype) if dtype is not None else drafter
+    drafter = load_weights(MTPDrafter(config), theirs, inverse, f"{path} is not a dense AngelSpec MTPDraftModel checkpoint",
+                           path, dtype)
+    if target is not None:
+        drafter.check_target(target)  # the file's own sizes (vocabulary, width) against the target's
+    return drafter

@@ -5,6 +5,10 @@ head): the format has no place for DFly's per-layer mix or its correction head. 
 Qwen3 config with ``block_size`` and a ``dflash_config`` holding ``mask_token_id`` and
 ``target_layer_ids`` (older checkpoints keep them top-level; both are read). Its weights are ours
 under other names.
+
+AngelSpec's own ``DFlashDraftModel`` shares the architecture name but not the layout (its
+``num_target_layers`` counts the fused layers, the target's depth is ``target_num_hidden_layers``,
+the tensors keep AngelSpec's names): `load_dflash` hands it to `load_angelspec`, which reads that family.
 """
 
 from __future__ import annotations
@@ -17,18 +21,22 @@ import torch
 from ..configuration_angelspec_dfly import DFlyDrafterConfig
 from ..errors import DrafterCheckpointError, DrafterConfigError
 from ..modeling_angelspec_dfly import DFlyDrafter
-from .checkpoint import layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
+from .angelspec import angelspec_drafter_config, is_angelspec_dflash, load_angelspec
+from .checkpoint import (
+    PER_LAYER,
+    layer_fields,
+    load_weights,
+    naming_config,
+    read_config,
+    read_tensors,
+    required,
+    write_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
 # Our weight name -> z-lab name; "{i}" is the draft layer.
 TOP_LEVEL = {"context_proj.weight": "fc.weight", "context_norm.weight": "hidden_norm.weight", "final_norm.weight": "norm.weight"}
-PER_LAYER = {
-    "input_norm.weight": "input_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    **{f"{name}.weight": f"self_attn.{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
-    **{f"mlp.{name}.weight": f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")},
-}
 
 
 def _name_map(num_layers: int) -> dict[str, str]:
@@ -93,28 +101,40 @@ def _field(config: dict, name: str):
     nested = config.get("dflash_config") or {}
     value = nested.get(name, config.get(name))
     if value is None:
-        raise DrafterCheckpointError(f"The DFlash config has no {name!r} (looked in dflash_config and top level).")
+        raise DrafterCheckpointError(
+            f"The DFlash config has no {name!r} (looked in dflash_config and top level). Fix: download the "
+            f"checkpoint's config.json again, or add {name!r} to its dflash_config from the model it was trained as."
+        )
     return value
 
 
-def dflash_drafter_config(raw: dict) -> DFlyDrafterConfig:
-    """Our config for a z-lab DFlash config dict."""
+def dflash_drafter_config(raw: dict, block_size: int | None = None) -> DFlyDrafterConfig:
+    """Our config for a z-lab DFlash config dict (or AngelSpec's DFlash layout, read as such).
+    ``block_size`` overrides the recorded one (AngelSpec's layout records none)."""
+    if is_angelspec_dflash(raw):
+        return angelspec_drafter_config(raw, block_size)
+    nested = raw.get("dflash_config") or {}
+    recorded = "block_size" in raw or "block_size" in nested
     return DFlyDrafterConfig(
-        **layer_fields(raw), num_target_layers=raw["num_target_layers"], target_layer_ids=list(_field(raw, "target_layer_ids")),
-        block_size=int(_field(raw, "block_size")) if "block_size" in raw or "block_size" in (raw.get("dflash_config") or {}) else 16,
+        **layer_fields(raw), num_target_layers=required(raw, "num_target_layers"),
+        target_layer_ids=list(_field(raw, "target_layer_ids")),
+        block_size=block_size or (int(_field(raw, "block_size")) if recorded else 16),
         mask_token_id=int(_field(raw, "mask_token_id")), conditioning="global", hidden_correction=False,
     )
 
 
-def load_dflash(path: str | Path, dtype: torch.dtype | None = None) -> DFlyDrafter:
-    """A z-lab DFlash checkpoint directory as a `DFlyDrafter` in DFlash mode (strict: every tensor mapped)."""
-    config = dflash_drafter_config(read_config(path))
+def load_dflash(path: str | Path, dtype: torch.dtype | None = None, block_size: int | None = None) -> DFlyDrafter:
+    """A z-lab DFlash checkpoint directory as a `DFlyDrafter` in DFlash mode (strict: every tensor mapped),
+    in ``dtype`` or the file's own. AngelSpec's DFlash layout is read by `load_angelspec`."""
+    raw = read_config(path)
+    if is_angelspec_dflash(raw):
+        return load_angelspec(path, block_size=block_size, dtype=dtype)
+    with naming_config(path):
+        config = dflash_drafter_config(raw, block_size)
     inverse = {v: k for k, v in _name_map(config.num_hidden_layers).items()}
-    ours = renamed_strictly(read_tensors(path), inverse, f"{path} is not a plain DFlash checkpoint (DFlash2 checkpoints "
-                                                          "with candidate selectors or convolutions are not supported)")
-    drafter = DFlyDrafter(config)
-    drafter.load_state_dict(ours, strict=True)
-    return drafter.to(dtype) if dtype is not None else drafter
+    what = (f"{path} is not a plain DFlash checkpoint (DFlash2 checkpoints with candidate selectors or convolutions "
+            "are not supported)")
+    return load_weights(DFlyDrafter(config), read_tensors(path), inverse, what, path, dtype)
 
 
 # transformers' own DFlash assistant (``speculation_type="dflash"``): the same network under the

@@ -18,7 +18,15 @@ import torch
 from ..configuration_angelspec_mtp import MTPDrafterConfig
 from ..errors import DrafterCheckpointError, DrafterConfigError
 from ..modeling_angelspec_mtp import MTPDrafter
-from .checkpoint import one_layer_fields, read_config, read_tensors, renamed_strictly, write_checkpoint
+from .checkpoint import (
+    load_weights,
+    naming_config,
+    one_layer_fields,
+    read_config,
+    read_tensors,
+    required,
+    write_checkpoint,
+)
 
 # Our weight name -> EAGLE-3 name.
 NAMES = {
@@ -89,6 +97,12 @@ def export_eagle3(drafter: MTPDrafter, out_dir: str | Path, target=None) -> Path
             f"EAGLE-3 checkpoints hold one decoder layer; this MTP drafter has {config.num_hidden_layers}. Fix: share it "
             "in the angelspec-hf format (save_pretrained / push_to_hub), which transformers loads as remote code."
         )
+    if config.qk_norm:
+        raise DrafterConfigError(
+            "EAGLE-3 layers have no QK-norm; this MTP drafter normalises its queries and keys (qk_norm=True), so no "
+            "EAGLE-3 checkpoint computes what it does. Fix: share it in the angelspec-hf format (save_pretrained / "
+            "push_to_hub), or train one with qk_norm=False to export to EAGLE-3."
+        )
     weights = {key: value.detach() for key, value in drafter.state_dict().items()}
     if not config.uses_reduced_vocab:
         if target is None:
@@ -107,29 +121,33 @@ def eagle3_drafter_config(raw: dict, target=None, num_target_layers: int | None 
     """Our config for an EAGLE-3 config dict; the target (or its layer count) fills what the format lacks."""
     fields = one_layer_fields(raw, "EAGLE-3", target, num_target_layers)
     aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    draft_vocab_size = raw.get("draft_vocab_size") or raw["vocab_size"]
-    if raw.get("target_hidden_size", raw["hidden_size"]) != raw["hidden_size"]:
+    vocab_size, hidden_size = required(raw, "vocab_size"), required(raw, "hidden_size")
+    draft_vocab_size = raw.get("draft_vocab_size") or vocab_size
+    if raw.get("target_hidden_size", hidden_size) != hidden_size:
         raise DrafterConfigError(
-            f"This EAGLE-3 drafter is {raw['hidden_size']} wide for a {raw['target_hidden_size']}-wide target; "
+            f"This EAGLE-3 drafter is {hidden_size} wide for a {raw['target_hidden_size']}-wide target; "
             "angelspec-hf MTP drafters share the target's width."
         )
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise DrafterCheckpointError(f"EAGLE-3 drafters have one decoder layer, this config has {raw['num_hidden_layers']}.")
     fields.update(
         target_layer_ids=list(aux) if aux else None,
-        draft_vocab_size=draft_vocab_size if draft_vocab_size < raw["vocab_size"] else None,
+        draft_vocab_size=draft_vocab_size if draft_vocab_size < vocab_size else None,
         **(raw.get("angelspec_draft") or {}),
     )
     return MTPDrafterConfig(**fields)
 
 
 def load_eagle3(path: str | Path, target=None, num_target_layers: int | None = None, dtype: torch.dtype | None = None) -> MTPDrafter:
-    """An EAGLE-3 checkpoint directory as an `MTPDrafter` (strict: every tensor mapped).
+    """An EAGLE-3 checkpoint directory as an `MTPDrafter` (strict: every tensor mapped), in ``dtype`` or
+    the file's own.
 
     A draft vocabulary as large as the target's is read as a full-vocabulary drafter, whose
-    ``lm_head`` must then equal the target's (it is borrowed from the target, not stored).
+    ``lm_head`` must then equal the target's (it is borrowed from the target, not stored), so
+    such a file with an ``lm_head`` needs ``target`` to be compared with.
     """
-    config = eagle3_drafter_config(read_config(path), target, num_target_layers)
+    with naming_config(path):
+        config = eagle3_drafter_config(read_config(path), target, num_target_layers)
     theirs = read_tensors(path, IGNORED)
     inverse = {v: k for k, v in NAMES.items()}
     if not config.uses_reduced_vocab:
@@ -138,13 +156,27 @@ def load_eagle3(path: str | Path, target=None, num_target_layers: int | None = N
         head = theirs.pop("lm_head.weight", None)
         for name in ("d2t", "t2d"):  # identity maps of a full-vocabulary head
             theirs.pop(name, None)
-        if head is not None and target is not None and not torch.equal(
-            head.to(target.dtype), target.get_output_embeddings().weight.detach().cpu()
-        ):
-            raise DrafterCheckpointError(
-                f"{path} drafts over the whole vocabulary with its own lm_head, which differs from the target's; "
-                "angelspec-hf borrows the target's head for full-vocabulary drafters. Fix: use a reduced draft vocabulary."
-            )
-    drafter = MTPDrafter(config)
-    drafter.load_state_dict(renamed_strictly(theirs, inverse, f"{path} is not an EAGLE-3 checkpoint"), strict=True)
-    return drafter.to(dtype) if dtype is not None else drafter
+        if head is not None:
+            check_borrowed_head(head, target, path)
+    drafter = load_weights(MTPDrafter(config), theirs, inverse, f"{path} is not an EAGLE-3 checkpoint", path, dtype)
+    if target is not None:
+        drafter.check_target(target)  # the file's own sizes (vocabulary, width) against the target's
+    return drafter
+
+
+def check_borrowed_head(head: torch.Tensor, target, path: str | Path) -> None:
+    """A full-vocabulary drafter drafts through the target's ``lm_head``; a stored head is read only
+    if it is the target's, since dropping another one would draft with a head it was not trained with."""
+    if target is None:
+        raise DrafterConfigError(
+            f"{path} drafts over the whole vocabulary with its own {tuple(head.shape)} lm_head; angelspec-hf "
+            "drafts through the target's lm_head instead, and can tell that the two are the same only with the "
+            "target. Fix: pass target=... (angelspec-hf convert --target ...)."
+        )
+    own = target.get_output_embeddings().weight.detach().cpu()
+    # Compared in the file's dtype: a bfloat16 export holds the float32 target's head rounded.
+    if head.shape != own.shape or not torch.equal(head, own.to(head.dtype)):
+        raise DrafterCheckpointError(
+            f"{path} drafts over the whole vocabulary with its own lm_head, which differs from the target's; "
+            "angelspec-hf borrows the target's head for full-vocabulary drafters. Fix: use a reduced draft vocabulary."
+        )
