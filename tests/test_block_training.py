@@ -360,3 +360,40 @@ def test_wall_clock_deadline_gives_each_stage_its_share_of_the_time_left(monkeyp
     alone.on_train_begin(None, None, None)
     assert not step_end(alone, 999.0, 90) and alone.stops == [None]
     assert WallClockDeadline(1000.0, [80, 0]).stage_steps == [80]
+
+
+def test_a_block_run_resumed_from_a_checkpoint_trains_as_the_uninterrupted_run(tmp_path):
+    """The anchors' random source was one generator seeded once and not checkpointed: a resumed run
+    replayed the first steps' anchors and ended on other weights than the same run uninterrupted."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from angelspec_hf.reference import tiny_target
+    from angelspec_hf.training.recipes import new_drafter, training_arguments
+    from angelspec_hf.training.trainer import DrafterTrainer, SequenceCollator
+
+    target = tiny_target("llama", seed=0).requires_grad_(False)
+    ids = torch.randint(3, 96, (8, 30), generator=torch.Generator().manual_seed(4))
+    rows = Dataset.from_list([{"input_ids": row.tolist(), "loss_start": 6} for row in ids])
+    recipe = Recipe(name="dfly-code", block_size=4, batch_size=2, num_anchors=3, learning_rate=3e-3, warmup_steps=0,
+                    logging_steps=1)
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    def run(out, stop=False, resume=False):
+        torch.manual_seed(recipe.seed)
+        drafter = new_drafter(target, recipe)
+        args = training_arguments(recipe, out, 4, recipe.learning_rate)
+        args.save_steps, args.save_total_limit = 2, None
+        trainer = DrafterTrainer(model=drafter, args=args, train_dataset=rows, data_collator=SequenceCollator(0),
+                                 target=target, objective="lk", num_anchors=recipe.num_anchors, eta=recipe.eta,
+                                 callbacks=[StopAt()] if stop else None)
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume else None)
+        return drafter.state_dict()
+
+    uninterrupted = run(tmp_path / "a")
+    run(tmp_path / "b", stop=True)
+    resumed = run(tmp_path / "b", resume=True)
+    assert all(torch.equal(uninterrupted[name], resumed[name]) for name in uninterrupted)

@@ -108,3 +108,26 @@ def test_a_cache_of_more_layers_serves_a_drafter_reading_fewer(targets, tmp_path
     assert not elsewhere.supersets
     elsewhere.states(other_target, other_ids, other_mask, other_lengths, torch.float32)
     assert elsewhere.misses == 1
+
+
+def test_a_fine_tune_or_another_config_under_the_same_name_never_reads_the_base_models_states(tmp_path):
+    """Name and embeddings alone keyed the cache: a fine-tune saved over the same path with frozen
+    embeddings, or the same weights with another rope_theta, hit every row of the base model's states."""
+    from angelspec_hf.reference import tiny_target
+
+    base = tiny_target("llama", seed=0)
+    tuned = tiny_target("llama", seed=0)
+    with torch.no_grad():
+        tuned.model.layers[2].mlp.down_proj.weight.mul_(1.5)  # the embeddings stay: same name and fingerprint
+    other_rope = tiny_target("llama", seed=0, rope_theta=100.0)
+    row = torch.arange(3, 19)[None]
+    mask, lengths = torch.ones_like(row), torch.tensor([row.shape[1]])
+    layers = [1, 3]
+    FeatureCache(tmp_path, base, layers).states(base, row, mask, lengths, torch.float32)
+    for model in (tuned, other_rope):
+        cache = FeatureCache(tmp_path, model, layers)
+        features, _ = cache.states(model, row, mask, lengths, torch.float32)
+        assert cache.hits == 0 and cache.misses == 1
+        own, _ = run_target(model, row, mask, layers)
+        assert torch.allclose(features[1], own[1], atol=1e-3)
+    assert FeatureCache(tmp_path, tiny_target("llama", seed=0), layers).directory == FeatureCache(tmp_path, base, layers).directory

@@ -130,6 +130,11 @@ def test_packed_documents_do_not_see_each_other(targets):
     # Chains of the first document are unaffected; the second document's differ once it is masked.
     assert torch.equal(packed_chain.draft_tokens[0, :18], unpacked_chain.draft_tokens[0, :18])
     assert not torch.allclose(packed_chain.alpha[0, 22:36], unpacked_chain.alpha[0, 22:36])
+    # A chain is trained only while it stays in its document: those starting at positions 18 and 19 read
+    # the second document's first tokens and were scored against its soft labels (depth 2: 17 + 2 = 19).
+    crossing = torch.arange(39)[None].add(2).clamp(max=39)
+    assert torch.equal(packed_chain.valid[0], unpacked_chain.valid[0] & (documents[0, :39] == documents[0, crossing[0]]))
+    assert packed_chain.valid[0, 17] and not packed_chain.valid[0, 18:20].any() and packed_chain.valid[0, 20]
 
 
 def test_ttt_switch_and_objectives(targets):

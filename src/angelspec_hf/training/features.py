@@ -33,12 +33,38 @@ FLOAT16_LIMIT = 60000.0
 
 
 def target_identity(target) -> dict:
-    """What makes two models' states interchangeable: name, depth, dtype and embedding fingerprint."""
+    """What makes two models' states interchangeable: name, depth, dtype, embedding fingerprint, the
+    config (rope_theta and the like change every state) and a sample of every weight tensor. Name and
+    embeddings alone let a fine-tune saved over the same path with frozen embeddings read the base
+    model's states as its own (every row a cache hit)."""
     text = target.config.get_text_config()
     return {
         "target": target_name(target), "layers": text.num_hidden_layers, "dtype": str(target.dtype),
         "fingerprint": [round(x, 4) for x in embedding_fingerprint(target.get_input_embeddings().weight)],
+        "config": config_digest(target.config), "weights": weights_digest(target),
     }
+
+
+# Config entries that name or describe a copy of a model rather than the function it computes.
+VOLATILE_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "architectures")
+
+
+def config_digest(config) -> str:
+    fields = {key: value for key, value in config.to_dict().items()
+              if not key.startswith("_") and key not in VOLATILE_CONFIG_KEYS}
+    return hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def weights_digest(target, values: int = 8) -> str:
+    """A hash of the first and last ``values`` entries of every parameter and buffer, in float32: any
+    fine-tune moves some of them, at the cost of one pass over the parameter list."""
+    digest = hashlib.sha1()
+    for name, tensor in [*target.named_parameters(), *target.named_buffers()]:
+        flat = tensor.detach().flatten()
+        sample = torch.cat([flat[:values], flat[-values:]]).float().cpu()
+        digest.update(name.encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def digest(identity: dict) -> str:

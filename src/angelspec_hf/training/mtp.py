@@ -142,6 +142,10 @@ def chain_loss(
         draft_tokens.append(tokens)
     alpha, greedy_match = torch.stack(per_step["alpha"], dim=2), torch.stack(per_step["greedy"], dim=2)
     valid = (origin[None] + depth <= lengths[:, None] - 1) & (origin[None] + 2 >= loss_start[:, None])
+    if document_ids is not None:
+        # A chain ends inside its own document (documents are contiguous): near a document's end it read
+        # the next one's first tokens and was trained against that document's soft labels.
+        valid &= document_ids[:, :origins] == document_ids[:, (origin + depth).clamp(max=length - 1)]
     if objective == "lk":
         weights = valid[..., None].float() * position_decay(depth, device=device)
         loss = weighted_mean(torch.stack(per_step["loss"], dim=2), weights)

@@ -62,7 +62,7 @@ class DrafterTrainer(Trainer):
         check_target_logits(self.target, self.target_transform, probe)
         self._metric_sums: dict[str, float] = defaultdict(float)
         self._metric_count = 0
-        self._anchor_generator = torch.Generator().manual_seed(self.args.seed)
+        self._anchor_step, self._anchor_batch = -1, 0
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         input_ids = inputs["input_ids"]
@@ -85,12 +85,23 @@ class DrafterTrainer(Trainer):
         input_ids = inputs["input_ids"]
         if hasattr(model.config, "block_size"):
             anchors = sample_anchors(inputs["loss_start"], inputs["lengths"], model.config.block_size,
-                                     self.num_anchors, self._anchor_generator)
+                                     self.num_anchors, self._anchor_generator())
             return block_loss(model, features, input_ids, final, embed, lm_head, anchors,
                               objective=self.objective, eta=self.eta, target_transform=self.target_transform)
         return chain_loss(model, features, input_ids, final, embed, lm_head,
                           inputs["loss_start"], inputs["lengths"], ttt=self.ttt, objective=self.objective,
                           eta=self.eta, target_transform=self.target_transform)
+
+    def _anchor_generator(self) -> torch.Generator:
+        """The anchors' random source for this batch, from (seed, optimizer step, batch within the step):
+        a run resumed from a checkpoint draws what the uninterrupted run drew. One generator seeded once
+        is not in the checkpoint, and a resumed run replayed the first steps' anchors. Evaluation
+        batches (the model not training) count apart, so they leave the training draws as they are."""
+        step = self.state.global_step if self.model.training else -1 - self.state.global_step
+        if step != self._anchor_step:
+            self._anchor_step, self._anchor_batch = step, 0
+        self._anchor_batch += 1
+        return torch.Generator().manual_seed((self.args.seed * 1_000_003 + step) * 1_009 + self._anchor_batch)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._metric_count:
