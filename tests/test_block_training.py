@@ -397,3 +397,19 @@ def test_a_block_run_resumed_from_a_checkpoint_trains_as_the_uninterrupted_run(t
     run(tmp_path / "b", stop=True)
     resumed = run(tmp_path / "b", resume=True)
     assert all(torch.equal(uninterrupted[name], resumed[name]) for name in uninterrupted)
+
+
+def test_rows_without_room_for_a_block_are_left_out_not_the_end_of_the_run(tmp_path, caplog):
+    from angelspec_hf.reference import tiny_target
+
+    target = tiny_target("llama", seed=0).requires_grad_(False)
+    ids = torch.randint(3, 96, (4, 30), generator=torch.Generator().manual_seed(4))
+    rows = [{"input_ids": row.tolist(), "loss_start": 6} for row in ids]
+    rows.append({"input_ids": ids[0, :12].tolist(), "loss_start": 6})  # 6 trained tokens: no block of 8 fits
+    recipe = Recipe(name="dfly-code", block_size=8, batch_size=5, num_anchors=2, lk_steps=2, tv_steps=1,
+                    warmup_steps=0, logging_steps=1)
+    with caplog.at_level("WARNING"):
+        train_drafter(target, rows, tmp_path / "a", recipe, pad_token_id=0)
+    assert "Left out 1 of 5 rows too short for a block of 8" in caplog.text
+    with pytest.raises(ValueError, match="smaller --block-size"):
+        train_drafter(target, rows[-1:], tmp_path / "b", recipe, pad_token_id=0)

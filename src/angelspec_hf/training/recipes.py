@@ -207,6 +207,10 @@ def train_drafter(
         drafter = new_drafter(target, recipe, token_counts(train_rows, target.config.get_text_config().vocab_size))
     trainer_options = RECIPES[recipe.name][2]
     collator = SequenceCollator(pad_token_id)
+    block_size = getattr(drafter.config, "block_size", None)
+    if block_size is not None:
+        train_rows = rows_with_room(train_rows, block_size)
+        finish_rows = rows_with_room(finish_rows, block_size) if finish_rows else None
     stages = [("lk", recipe.lk_steps, Dataset.from_list(train_rows), recipe.learning_rate),
               ("tv", recipe.tv_steps, Dataset.from_list(finish_rows or train_rows), recipe.learning_rate / 3)]
     for objective, steps, dataset, learning_rate in stages:
@@ -225,6 +229,20 @@ def train_drafter(
     if recipe.tv_steps <= 0:
         save_drafter(drafter.eval(), output_dir / "final", recipe, "lk")
     return drafter.eval()
+
+
+def rows_with_room(rows: list[dict], block_size: int) -> list[dict]:
+    """The rows whose trained part holds a block (`sample_anchors` needs one anchor with ``block_size``
+    positions after it); the others are left out, and counted, instead of ending the run mid-way
+    when a batch draws one (rows are only sure to hold `MIN_TRAINED_TOKENS`)."""
+    kept = [row for row in rows if len(row["input_ids"]) - max(int(row["loss_start"]), 1) + 1 >= block_size]
+    if not kept:
+        raise ValueError(f"No training row has room for a block of {block_size} after its prompt. Fix: a smaller "
+                         "--block-size, or longer rows (rollouts --max-new-tokens, --rollout-length).")
+    if len(kept) < len(rows):
+        logger.warning("Left out %d of %d rows too short for a block of %d after their prompts.",
+                       len(rows) - len(kept), len(rows), block_size)
+    return kept
 
 
 def save_drafter(drafter, path: Path, recipe: Recipe, last_stage: str) -> None:
