@@ -175,3 +175,17 @@ def test_mtp_recipe_training_improves_tau(targets, tmp_path, name, draft_vocab_s
             rounds += model.last_speculation_stats.rounds
         taus[name] = new_tokens / rounds
     assert taus["trained"] > taus["untrained"] + 0.3, taus
+
+
+def test_a_batch_without_a_trainable_chain_logs_no_nan(targets):
+    """A row whose prompt fills it (loss from its last position) leaves no valid chain: its metrics were
+    NaN and turned the logged averages NaN; now it reports none, and its loss is 0."""
+    target = targets.target("llama")
+    drafter = MTPDrafter.from_target(target, num_draft_tokens=2)
+    row = targets.sequences("llama")[:1, :12]
+    out = target.base_model(row, output_hidden_states=[i + 1 for i in drafter.config.target_layer_ids])
+    features = [out.hidden_states[i + 1] for i in drafter.config.target_layer_ids]
+    with torch.no_grad():
+        result = chain_loss(drafter, features, row, out.last_hidden_state, target.get_input_embeddings(),
+                            target.get_output_embeddings(), torch.tensor([12]), torch.tensor([12]))
+    assert not result.valid.any() and result.metrics() == {} and result.loss.item() == 0.0

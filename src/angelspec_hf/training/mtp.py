@@ -39,7 +39,10 @@ class ChainLoss:
     draft_tokens: torch.Tensor  # (batch, positions, D) the chain's greedy tokens (target ids)
 
     def metrics(self) -> dict[str, float]:
+        """Means over the valid chains; none for a batch without one (they were NaN in the logs)."""
         valid = self.valid
+        if not bool(valid.any()):
+            return {}
         matched = expected_accepted_length(self.greedy_match.float())[valid]
         return {
             "alpha": self.alpha[valid].mean().item(),

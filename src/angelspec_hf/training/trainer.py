@@ -76,9 +76,10 @@ class DrafterTrainer(Trainer):
         # drafter's correction head and logits outside its forward (the target side opts out).
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.args.bf16):
             result = self._drafter_loss(model, inputs, features, final, embed, lm_head)
-        for key, value in result.metrics().items():
+        metrics = result.metrics()
+        for key, value in metrics.items():
             self._metric_sums[key] += value
-        self._metric_count += 1
+        self._metric_count += bool(metrics)
         return (result.loss, result) if return_outputs else result.loss
 
     def _drafter_loss(self, model, inputs, features, final, embed, lm_head):
