@@ -21,9 +21,13 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_number(value) -> bool:
+    """A finite JSON number (``True`` is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def is_positive_number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0)
+    return is_number(value) and value > 0
 
 
 def check_positive_int(owner: str, name: str, value) -> None:
@@ -85,6 +89,7 @@ class AngelSpecDrafterConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs):
         self._validate_sizes()
+        self._validate_variant()
         if self.target_layer_ids is None:
             self.target_layer_ids = self.default_target_layer_ids(self.num_target_layers)
         self._validate_common()
@@ -134,8 +139,11 @@ class AngelSpecDrafterConfig(PretrainedConfig):
             if value is not None and not isinstance(value, str):
                 raise DrafterConfigError(f"{owner}.{name} must be a string or null, got {value!r}.")
 
+    def _validate_variant(self) -> None:
+        """A subclass's checks (and defaults) of its own fields: after the shared sizes, which they
+        compare against, and before the target layers, which they may set."""
+
     def _validate_common(self) -> None:
-        self._validate_sizes()
         if self.num_attention_heads % self.num_key_value_heads:
             raise DrafterConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
@@ -155,8 +163,7 @@ class AngelSpecDrafterConfig(PretrainedConfig):
         fingerprint = self.target_embedding_fingerprint
         if fingerprint is None:
             return
-        if not (isinstance(fingerprint, (list, tuple)) and fingerprint and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint)):
+        if not (isinstance(fingerprint, (list, tuple)) and fingerprint and all(map(is_number, fingerprint))):
             raise DrafterConfigError("target_embedding_fingerprint must be a list of numbers (see embedding_fingerprint) "
                                      f"or None, got {fingerprint!r:.80}.")
         # Of another length it never matched, and every target was refused as "not the one it was built for".

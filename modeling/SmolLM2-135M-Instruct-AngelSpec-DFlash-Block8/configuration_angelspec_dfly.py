@@ -38,8 +38,7 @@ class DFlyDrafterConfig(AngelSpecDrafterConfig):
     checkpoint_fields = (*AngelSpecDrafterConfig.checkpoint_fields, "block_size", "mask_token_id", "conditioning",
                          "hidden_correction")
 
-    def __post_init__(self, **kwargs):
-        self._validate_sizes()
+    def _validate_variant(self) -> None:
         if not is_int(self.block_size) or self.block_size < 2:
             raise DrafterConfigError(f"block_size must be an integer >= 2 (anchor + masks), got {self.block_size!r}.")
         if self.conditioning not in CONDITIONING_MODES:
@@ -59,7 +58,6 @@ class DFlyDrafterConfig(AngelSpecDrafterConfig):
         if not is_int(size) or size < 1:
             raise DrafterConfigError(f"correction_intermediate_size must be a positive integer (or None: the hidden "
                                      f"size), got {size!r}.")
-        super().__post_init__(**kwargs)
 
     @staticmethod
     def default_target_layer_ids(num_target_layers: int) -> list[int]:

@@ -34,8 +34,7 @@ class MTPDrafterConfig(AngelSpecDrafterConfig):
     layer_style: str = "eagle3"
     qk_norm: bool | None = None
 
-    def __post_init__(self, **kwargs):
-        self._validate_sizes()
+    def _validate_variant(self) -> None:
         if not is_int(self.num_draft_tokens) or self.num_draft_tokens < 1:
             raise DrafterConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
         if not is_int(self.ttt_steps) or self.ttt_steps < 1:
@@ -59,4 +58,3 @@ class MTPDrafterConfig(AngelSpecDrafterConfig):
                     f"A deepseek-style MTP layer reads only the target's last layer ({last}), got target_layer_ids="
                     f"{self.target_layer_ids}. Fix: leave target_layer_ids unset, or use layer_style='eagle3' to fuse several layers."
                 )
-        super().__post_init__(**kwargs)

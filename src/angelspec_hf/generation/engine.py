@@ -306,10 +306,15 @@ def _eos_set(eos_token_id) -> frozenset:
     return frozenset(_token_ids(eos_token_id, "eos_token_id")) if eos_token_id is not None else frozenset()
 
 
+def _is_integer(value) -> bool:
+    """An int or numpy integer; not a bool, a float or a tensor."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _max_new_tokens(value) -> int:
     """``max_new_tokens`` as an int of at least 1, else `EngineRequestError` (0 or a negative count
     still emitted one token, and a float one broke the slicing of the whole batch's step)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not _is_integer(value) or value < 1:
         raise EngineRequestError(f"max_new_tokens must be an integer of at least 1, got {value!r}.")
     return int(value)
 
@@ -387,7 +392,7 @@ class SpeculativeEngine:
             drafters = {"drafter": drafter}
         for model in drafters.values():
             model.check_target(target)
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1:
+        if not _is_integer(max_batch_size) or max_batch_size < 1:
             raise ValueError(f"max_batch_size is the most requests decoded at once (an integer of at least 1), "
                              f"got {max_batch_size!r}.")
         self.target, self.drafters, self.max_batch_size = target.eval(), drafters, int(max_batch_size)
@@ -567,8 +572,7 @@ class SpeculativeEngine:
 
     def _check_capture_layers(self, capture_layers: list[int] | None) -> None:
         layers = self.target.config.get_text_config().num_hidden_layers
-        bad = [i for i in capture_layers or [] if isinstance(i, bool) or not isinstance(i, numbers.Integral)
-               or not 0 <= i < layers]
+        bad = [i for i in capture_layers or [] if not _is_integer(i) or not 0 <= i < layers]
         if bad:
             raise ValueError(f"capture_layers are decoder-layer indices 0..{layers - 1} (the drafters' "
                              f"target_layer_ids convention), got {bad}.")
